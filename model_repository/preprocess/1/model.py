@@ -1,0 +1,47 @@
+"""Triton Python-backend model `preprocess`: encoded image bytes -> FP32 [3, 224, 224] ImageNet input.
+
+Each request carries a batch of images (input `image`, BYTES [N, 1]); the dynamic batcher hands several
+requests to one execute() call. Images are decoded one by one (they differ in size), so a corrupt image
+fails only its own request, with INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT) and a message naming
+the problem; the other requests of the batch get their tensors.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from image_transform import ImageDecodeError, ImageLimits, preprocess  # noqa: E402
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.input_name = config["input"][0]["name"]
+        output = config["output"][0]
+        self.output_name = output["name"]
+        self.output_dtype = pb_utils.triton_string_to_numpy(output["data_type"])
+        params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        self.limits = ImageLimits(
+            max_image_bytes=int(params["max_image_bytes"]),
+            max_image_pixels=int(params["max_image_pixels"]),
+            max_aspect_ratio=float(params["max_aspect_ratio"]),
+        )
+
+    def execute(self, requests):
+        return [self._respond(request) for request in requests]
+
+    def _respond(self, request):
+        images = pb_utils.get_input_tensor_by_name(request, self.input_name).as_numpy()
+        try:
+            pixels = np.stack([preprocess(bytes(item), self.limits) for item in images.reshape(-1)])
+        except ImageDecodeError as exc:
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"input '{self.input_name}': {exc}", pb_utils.TritonError.INVALID_ARG))
+        except Exception as exc:  # a bug, not bad input: fail this request only, keep serving
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"preprocess failed: {exc!r}", pb_utils.TritonError.INTERNAL))
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(self.output_name, pixels.astype(self.output_dtype))])

@@ -1,0 +1,74 @@
+"""Triton Python-backend model for an exported ResNet-18 (FP32 [N,3,224,224] -> logits FP32 [N,1000]).
+
+Shared by `resnet18_onnx` (model.onnx, run by ONNX Runtime) and `resnet18_torchscript` (model.pt, run by
+TorchScript): `resnet18_torchscript/1/model.py` is a link to this file. The config names the file
+(parameter `model_filename`) and the threads one execution may use (`intra_op_threads`, 0 = all cores).
+
+execute() stacks the inputs of every request the dynamic batcher handed over into one batch, runs the
+network once, and splits the logits back per request. If the stacked run fails, each request is run
+alone, so only the request that fails gets an error.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def load_onnxruntime(path: Path, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    input_name = session.get_inputs()[0].name
+    return lambda batch: session.run(None, {input_name: batch})[0]
+
+
+def load_torchscript(path: Path, threads: int):
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    module = torch.jit.load(str(path), map_location="cpu").eval()
+
+    def run(batch):
+        with torch.inference_mode():
+            return module(torch.from_numpy(batch)).numpy()
+
+    return run
+
+
+RUNTIMES = {".onnx": load_onnxruntime, ".pt": load_torchscript}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.input_name = config["input"][0]["name"]
+        output = config["output"][0]
+        self.output_name = output["name"]
+        self.output_dtype = pb_utils.triton_string_to_numpy(output["data_type"])
+        params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        path = Path(args["model_repository"]) / args["model_version"] / params["model_filename"]
+        self.run = RUNTIMES[path.suffix](path, int(params.get("intra_op_threads", "0")))
+
+    def execute(self, requests):
+        inputs = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
+        try:
+            logits = self.run(np.concatenate(inputs))
+            per_request = np.split(logits, np.cumsum([len(x) for x in inputs])[:-1])
+        except Exception:
+            return [self._run_alone(batch) for batch in inputs]
+        return [self._response(out) for out in per_request]
+
+    def _run_alone(self, batch):
+        try:
+            return self._response(self.run(batch))
+        except Exception as exc:
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"inference failed: {exc}", pb_utils.TritonError.INTERNAL))
+
+    def _response(self, logits):
+        tensor = pb_utils.Tensor(self.output_name, np.ascontiguousarray(logits, dtype=self.output_dtype))
+        return pb_utils.InferenceResponse(output_tensors=[tensor])

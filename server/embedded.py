@@ -1,0 +1,221 @@
+"""Start, wait for and stop the `tritonserver` binary that ships in the nvidia-pytriton wheel.
+
+The one place that knows how that server is put together (the same steps PyTriton takes):
+  * a backend directory of our own holding the Python backend (`libtriton_python.so`) and the stub
+    built for this interpreter's Python version (`triton_python_backend_stub`);
+  * LD_LIBRARY_PATH with the wheel's bundled libraries (the stub needs its libcudart even on a CPU);
+  * the venv's bin/ first on PATH, so each stub's embedded interpreter imports the venv's packages.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from export.artifacts import MODEL_REPOSITORY
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What a user sets when starting the server. Ports 0 are not allowed: pass real free ports."""
+
+    model_repository: Path = MODEL_REPOSITORY
+    #: Address HTTP, gRPC and metrics listen on. 127.0.0.1 keeps the server private to this machine.
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    #: Load <model>/configs/<name>.pbtxt instead of config.pbtxt where it exists (e.g. "gpu").
+    model_config_name: str | None = None
+    #: On SIGTERM the server stops taking requests and waits this long for in-flight ones to finish.
+    exit_timeout_s: int = 30
+    #: Initial shared-memory region of each Python-backend stub: one batch of 16 FP32 images
+    #: (16 x 3 x 224 x 224 x 4 B = 9.6 MB) plus its logits fits without growing the region.
+    python_shm_default_bytes: int = 16 * MiB
+    python_shm_growth_bytes: int = 16 * MiB
+    log_verbose: int = 0
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def http_url(self) -> str:
+        return f"{_client_host(self.host)}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{_client_host(self.host)}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+
+
+def _pytriton_dir() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed in this interpreter; run `make setup`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def tritonserver_binary() -> Path:
+    return _pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
+
+
+def library_path() -> str:
+    """LD_LIBRARY_PATH for tritonserver, its stubs and perf_analyzer: the wheels' bundled libraries."""
+    site_packages = _pytriton_dir().parent
+    dirs = [site_packages / "nvidia_pytriton.libs", site_packages / "nvidia" / "cuda_runtime" / "lib"]
+    existing = os.environ.get("LD_LIBRARY_PATH")
+    return os.pathsep.join([str(d) for d in dirs if d.is_dir()] + ([existing] if existing else []))
+
+
+def backend_directory() -> Path:
+    """Build (once) <venv>/triton-backends/python with the backend library and this Python's stub."""
+    source = _pytriton_dir() / "tritonserver"
+    target = Path(sys.prefix) / "triton-backends"
+    python_dir = target / "python"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = source / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeError(f"nvidia-pytriton ships no Python-backend stub for Python {version}")
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for item in (source / "backends" / "python").iterdir():
+        link = python_dir / item.name
+        if item.is_file() and not link.exists():
+            link.symlink_to(item)
+    if not (python_dir / stub.name).exists():
+        shutil.copy2(stub, python_dir / stub.name)
+    return target
+
+
+def server_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = library_path()
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def server_command(config: ServerConfig) -> list[str]:
+    """The tritonserver command line for `config` (no shell quoting needed: a list of arguments)."""
+    cmd = [
+        str(tritonserver_binary()),
+        f"--model-repository={config.model_repository}",
+        f"--backend-directory={backend_directory()}",
+        f"--http-address={config.host}", f"--http-port={config.http_port}",
+        f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}",
+        f"--metrics-address={config.host}", f"--metrics-port={config.metrics_port}",
+        "--allow-gpu-metrics=false",
+        f"--exit-timeout-secs={config.exit_timeout_s}",
+        f"--backend-config=python,shm-default-byte-size={config.python_shm_default_bytes}",
+        f"--backend-config=python,shm-growth-byte-size={config.python_shm_growth_bytes}",
+        f"--log-verbose={config.log_verbose}",
+    ]
+    if config.model_config_name:
+        cmd.append(f"--model-config-name={config.model_config_name}")
+    return cmd + list(config.extra_args)
+
+
+class ServerStartError(RuntimeError):
+    """tritonserver exited or did not become ready in time; the message carries its log tail."""
+
+
+class EmbeddedTritonServer:
+    """A tritonserver child process. Use as a context manager, or call start() and stop().
+
+    log_path: where the server's stdout and stderr go; None = this process's stdout/stderr.
+    """
+
+    def __init__(self, config: ServerConfig = ServerConfig(), log_path: Path | None = None):
+        self.config = config
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self.started_at: float | None = None
+
+    def start(self, ready_timeout_s: float = 300.0) -> float:
+        """Start the server and block until /v2/health/ready; return seconds from start to ready.
+
+        Raises ServerStartError when the process exits first or the timeout passes.
+        """
+        output = open(self.log_path, "ab") if self.log_path else None
+        self.started_at = time.monotonic()
+        self.process = subprocess.Popen(
+            server_command(self.config), env=server_environment(), stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            start_new_session=True)  # Ctrl-C reaches us, not the server; we stop it gracefully
+        if output:
+            output.close()
+        try:
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return time.monotonic() - self.started_at
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(self.config.http_url, connection_timeout=2.0)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise ServerStartError(
+                        f"tritonserver exited with status {self.process.returncode} before ready"
+                        f"{self._log_tail()}")
+                try:
+                    if client.is_server_ready():
+                        return
+                except Exception:  # not listening yet
+                    pass
+                time.sleep(0.25)
+        finally:
+            client.close()
+        raise ServerStartError(f"tritonserver not ready after {timeout_s:.0f} s{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 40) -> str:
+        if not self.log_path or not Path(self.log_path).exists():
+            return ""
+        tail = Path(self.log_path).read_text(errors="replace").splitlines()[-lines:]
+        return "; server log tail:\n" + "\n".join(tail)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait for in-flight requests (up to exit_timeout_s + 10 s), then SIGKILL the group.
+
+        Returns the server's exit status (None if it was never started).
+        """
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(self.config.exit_timeout_s + 10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        try:  # stubs left behind by a killed server
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.process.returncode
+
+    def __enter__(self) -> "EmbeddedTritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
