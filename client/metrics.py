@@ -1,0 +1,32 @@
+"""Read Triton's Prometheus metrics endpoint (default http://127.0.0.1:8002/metrics)."""
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def model_counters(metrics_url: str, model: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """Return every sample of `model` (label model=<name>, summed over versions) by metric name.
+
+    Counters are keyed by Triton's name (`nv_inference_count`, not the parser's `..._total`).
+
+    E.g. {"nv_inference_count": 120.0, "nv_inference_exec_count": 15.0, ...}.
+    Raises urllib.error.URLError when the endpoint cannot be reached.
+    """
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("model") == model:
+                name = family.name if sample.name == f"{family.name}_total" else sample.name
+                counters[name] = counters.get(name, 0.0) + sample.value
+    return counters
+
+
+def average_batch_size(counters: dict[str, float]) -> float:
+    """Average batch the dynamic batcher formed: nv_inference_count / nv_inference_exec_count
+    (inferences = batch elements, executions = model runs; Triton's metrics documentation)."""
+    executions = counters.get("nv_inference_exec_count", 0.0)
+    return counters.get("nv_inference_count", 0.0) / executions if executions else 0.0

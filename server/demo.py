@@ -1,0 +1,65 @@
+"""python -m server.demo: the main job. Serve the model repository with Triton and classify real photos.
+
+Exports ResNet-18 if needed, starts the embedded tritonserver, sends the sample photos (from the
+scikit-image wheel) to the `resnet18` ensemble as concurrent single-image requests over HTTP and gRPC,
+prints each photo's top-5, shows how the dynamic batcher grouped them (metrics endpoint), and stops.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from client.classify import classify_files, format_predictions
+from client.metrics import average_batch_size, model_counters
+from client.samples import sample_photos
+from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, PROVENANCE_PATHS, REPO_ROOT
+from server.__main__ import add_server_arguments, config_from_args, ensure_exported
+from server.embedded import EmbeddedTritonServer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m server.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_arguments(parser)
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+    ensure_exported()
+    weights = json.loads(PROVENANCE_PATHS[0].read_text())["weights"]
+
+    photos = sample_photos()
+    failures = 0
+    log_path = REPO_ROOT / "results" / "demo-tritonserver.log"
+    log_path.parent.mkdir(exist_ok=True)
+    print(f"demo: starting tritonserver (log: {log_path.relative_to(REPO_ROOT)})", flush=True)
+    with EmbeddedTritonServer(config, log_path=log_path):
+        print(f"\ndemo: tritonserver ready (HTTP {config.http_url}, gRPC {config.grpc_url}); "
+              f"model weights: {weights}")
+        before = {m: model_counters(config.metrics_url, m) for m in (PREPROCESS_MODEL, ONNX_MODEL)}
+        for protocol, url in (("http", config.http_url), ("grpc", config.grpc_url)):
+            print(f"\n=== {len(photos)} photos -> ensemble '{ENSEMBLE_MODEL}' over {protocol.upper()} "
+                  f"({args.concurrency} in flight) ===")
+            for path, result in classify_files(photos, url, protocol, 5, args.concurrency):
+                if isinstance(result, Exception):
+                    failures += 1
+                    print(f"{path.name}: ERROR {result}")
+                else:
+                    print(format_predictions(path.name, result))
+        print("\n=== dynamic batching (metrics endpoint, this demo's requests) ===")
+        for model in (PREPROCESS_MODEL, ONNX_MODEL):
+            after = model_counters(config.metrics_url, model)
+            delta = {k: after.get(k, 0.0) - before[model].get(k, 0.0)
+                     for k in ("nv_inference_count", "nv_inference_exec_count")}
+            print(f"{model:<15} inferences {delta['nv_inference_count']:.0f}, "
+                  f"executions {delta['nv_inference_exec_count']:.0f}, "
+                  f"average batch {average_batch_size(delta):.2f}")
+        print("\ndemo: stopping the server")
+    if weights.startswith("random:"):
+        print("\ndemo: NOTE the weights are a seeded RANDOM init (ImageNet weights were not available "
+              "offline),\n      so the labels above are meaningless; see README 'Weights'.")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
