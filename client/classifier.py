@@ -80,6 +80,22 @@ class TritonClassifierClient:
     def is_model_ready(self, model: str) -> bool:
         return self._client.is_model_ready(model)
 
+    def model_metadata(self, model: str) -> dict:
+        """KServe v2 model metadata as JSON: {"name", "versions", "platform", "inputs", "outputs"},
+        each tensor {"name", "datatype", "shape"} with -1 for variable (batch) dimensions."""
+        if self.protocol == "http":
+            return self._client.get_model_metadata(model)
+        metadata = self._client.get_model_metadata(model, as_json=True)
+        for tensor in metadata.get("inputs", []) + metadata.get("outputs", []):
+            tensor["shape"] = [int(d) for d in tensor["shape"]]  # gRPC's JSON renders int64 as strings
+        return metadata
+
+    def model_config(self, model: str) -> dict:
+        """The model configuration the server loaded, as JSON (fields in camelCase over gRPC)."""
+        if self.protocol == "http":
+            return self._client.get_model_config(model)
+        return self._client.get_model_config(model, as_json=True)["config"]
+
     def _infer(self, model: str, inputs, outputs):
         kwargs = {"client_timeout": self.timeout_s} if self.protocol == "grpc" else {}
         return self._client.infer(model, inputs, outputs=outputs, **kwargs)

@@ -1,0 +1,62 @@
+"""Results: tensors through both ResNet-18 models and photos through the ensemble match eager torch;
+concurrent requests are batched by the dynamic batcher."""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms
+
+from client.classifier import TritonClassifierClient
+from client.metrics import model_counters
+from client.samples import sample_photos
+from export.artifacts import ONNX_MODEL, TORCHSCRIPT_MODEL
+from export.resnet18 import PARITY_ATOL, PARITY_RTOL, parity_batch
+
+from conftest import eager_logits, url_for
+
+#: torchvision's ImageNet eval transform, the reference the served pipeline must reproduce.
+TORCHVISION_EVAL = transforms.Compose([
+    transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
+    transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+
+
+@pytest.mark.parametrize("model", [ONNX_MODEL, TORCHSCRIPT_MODEL])
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_tensor_inference_matches_eager_torch(client, eager_model, model, batch_size):
+    batch = parity_batch(batch_size, seed=batch_size)
+    served = client.infer_tensor(batch, model=model)
+    assert served.shape == (batch_size, 1000) and served.dtype == np.float32
+    np.testing.assert_allclose(served, eager_logits(eager_model, batch), rtol=PARITY_RTOL, atol=PARITY_ATOL)
+
+
+def test_photos_through_the_ensemble_give_eager_top5(client, eager_model):
+    photos = sample_photos()
+    served = client.classify([p.read_bytes() for p in photos], top_k=5)
+    batch = torch.stack([TORCHVISION_EVAL(Image.open(p).convert("RGB")) for p in photos]).numpy()
+    expected = eager_logits(eager_model, batch)
+    for photo, predictions, logits in zip(photos, served, expected):
+        top5 = np.argsort(-logits)[:5]
+        assert [p.class_index for p in predictions] == top5.tolist(), photo.name
+        np.testing.assert_allclose([p.score for p in predictions], logits[top5], rtol=1e-3, atol=1e-3)
+        assert all(p.label for p in predictions)
+
+
+def test_concurrent_single_image_requests_are_batched(triton_server, eager_model):
+    url = url_for(triton_server, "grpc")
+    before = model_counters(triton_server.config.metrics_url, ONNX_MODEL)
+    images = parity_batch(32, seed=99)
+
+    def infer_one(i):
+        with TritonClassifierClient(url, "grpc") as c:
+            return c.infer_tensor(images[i:i + 1])
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        served = np.concatenate(list(pool.map(infer_one, range(len(images)))))
+    after = model_counters(triton_server.config.metrics_url, ONNX_MODEL)
+    inferences = after["nv_inference_count"] - before["nv_inference_count"]
+    executions = after["nv_inference_exec_count"] - before["nv_inference_exec_count"]
+    assert inferences == 32
+    assert executions < inferences, f"{executions} executions for {inferences} inferences: no batching"
+    np.testing.assert_allclose(served, eager_logits(eager_model, images), rtol=PARITY_RTOL, atol=PARITY_ATOL)

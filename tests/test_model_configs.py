@@ -1,0 +1,75 @@
+"""Every config.pbtxt and configs/<name>.pbtxt parses as Triton's ModelConfig and the variants agree."""
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from export import artifacts
+
+CONFIG_FILES = sorted(artifacts.MODEL_REPOSITORY.glob("*/config.pbtxt")) + sorted(
+    artifacts.MODEL_REPOSITORY.glob("*/configs/*.pbtxt"))
+
+
+def parse(path: Path) -> mc.ModelConfig:
+    return text_format.Parse(path.read_text(), mc.ModelConfig())
+
+
+def default_config(model: str) -> mc.ModelConfig:
+    return parse(artifacts.MODEL_REPOSITORY / model / "config.pbtxt")
+
+
+def signature(config: mc.ModelConfig):
+    def tensors(items):
+        return [(t.name, t.data_type, list(t.dims), getattr(t, "label_filename", "")) for t in items]
+    return config.name, config.max_batch_size, tensors(config.input), tensors(config.output)
+
+
+def test_every_model_directory_has_a_default_config():
+    models = {p.name for p in artifacts.MODEL_REPOSITORY.iterdir() if p.is_dir()}
+    assert models == set(artifacts.ALL_MODELS)
+    assert len(CONFIG_FILES) >= len(models) + 2  # at least the two gpu variants
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(artifacts.MODEL_REPOSITORY)))
+def test_config_names_its_directory_and_variants_match_the_default(path):
+    config = parse(path)
+    model_dir = path.parent if path.name == "config.pbtxt" else path.parent.parent
+    assert config.name == model_dir.name
+    default = default_config(model_dir.name)
+    assert signature(config) == signature(default)
+    assert list(config.dynamic_batching.preferred_batch_size) == list(
+        default.dynamic_batching.preferred_batch_size)
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIG_FILES if parse(p).platform != "ensemble"],
+                         ids=lambda p: str(p.relative_to(artifacts.MODEL_REPOSITORY)))
+def test_batched_model_has_batcher_queue_policy_instances_and_warmup(path):
+    config = parse(path)
+    assert config.max_batch_size > 0
+    batcher = config.dynamic_batching
+    assert batcher.preferred_batch_size and max(batcher.preferred_batch_size) <= config.max_batch_size
+    assert batcher.max_queue_delay_microseconds > 0
+    assert batcher.default_queue_policy.max_queue_size > 0
+    assert config.instance_group and all(g.count >= 1 for g in config.instance_group)
+    assert config.model_warmup
+    for warmup in config.model_warmup:
+        assert 1 <= warmup.batch_size <= config.max_batch_size
+        assert set(warmup.inputs) == {t.name for t in config.input}
+
+
+def test_ensemble_steps_fit_their_models():
+    ensemble = default_config(artifacts.ENSEMBLE_MODEL)
+    assert ensemble.platform == "ensemble"
+    produced = {t.name for t in ensemble.input}
+    for step in ensemble.ensemble_scheduling.step:
+        model = default_config(step.model_name)
+        assert ensemble.max_batch_size <= model.max_batch_size
+        assert set(step.input_map) == {t.name for t in model.input}
+        assert set(step.input_map.values()) <= produced
+        assert set(step.output_map) <= {t.name for t in model.output}
+        produced |= set(step.output_map.values())
+    assert {t.name for t in ensemble.output} <= produced
+    (output,) = ensemble.output
+    labels = artifacts.MODEL_REPOSITORY / artifacts.ENSEMBLE_MODEL / output.label_filename
+    assert labels == artifacts.LABELS_PATH and len(labels.read_text().splitlines()) == 1000
