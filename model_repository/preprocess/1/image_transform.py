@@ -62,6 +62,8 @@ def decode_rgb(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise ImageDecodeError(f"not an image in a known format ({len(data)} bytes)") from None
+    except Image.DecompressionBombError as exc:  # Pillow's own bound (2 x 89 MP), above ours
+        raise ImageDecodeError(f"image too large: {exc}") from None
     width, height = image.size
     if width < 1 or height < 1:
         raise ImageDecodeError(f"image has no pixels: {width}x{height}")
@@ -74,7 +76,7 @@ def decode_rgb(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
     try:
         image.load()
         image = ImageOps.exif_transpose(image)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except (OSError, SyntaxError, ValueError) as exc:
         raise ImageDecodeError(f"corrupt or truncated {image.format} image: {exc}") from None
     if image.mode in _WIDE_INTEGER_MODES:
         samples = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)  # 16-bit range
