@@ -12,6 +12,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,8 @@ class ServerConfig:
     """What a user sets when starting the server. Ports 0 are not allowed: pass real free ports."""
 
     model_repository: Path = MODEL_REPOSITORY
+    #: More repositories served beside it (Triton merges them; model names must not clash).
+    extra_model_repositories: tuple[Path, ...] = ()
     #: Address HTTP, gRPC and metrics listen on. 127.0.0.1 keeps the server private to this machine.
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -110,7 +113,8 @@ def server_command(config: ServerConfig) -> list[str]:
     """The tritonserver command line for `config` (no shell quoting needed: a list of arguments)."""
     cmd = [
         str(tritonserver_binary()),
-        f"--model-repository={config.model_repository}",
+        *(f"--model-repository={repository}"
+          for repository in (config.model_repository, *config.extra_model_repositories)),
         f"--backend-directory={backend_directory()}",
         f"--http-address={config.host}", f"--http-port={config.http_port}",
         f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}",
@@ -124,6 +128,24 @@ def server_command(config: ServerConfig) -> list[str]:
     if config.model_config_name:
         cmd.append(f"--model-config-name={config.model_config_name}")
     return cmd + list(config.extra_args)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now (held open together while chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def config_on_free_ports(**options) -> ServerConfig:
+    """A ServerConfig with HTTP, gRPC and metrics on free ports (tests, benchmarks); other fields as given."""
+    http_port, grpc_port, metrics_port = free_ports(3)
+    return ServerConfig(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, **options)
 
 
 class ServerStartError(RuntimeError):

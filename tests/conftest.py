@@ -2,30 +2,21 @@
 from __future__ import annotations
 
 import json
-import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from client.classifier import TritonClassifierClient
+from client.errors import InvalidInputError
 from export.artifacts import PROVENANCE_PATHS, missing_artifacts
 from export.resnet18 import model_from_spec
-from server.embedded import EmbeddedTritonServer, ServerConfig
+from server.embedded import EmbeddedTritonServer, config_on_free_ports, free_ports  # noqa: F401
 
 PROTOCOLS = ("http", "grpc")
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on 127.0.0.1 right now (held open together while chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+#: Test-only models (e.g. resnet18_slow_stub), served beside the product's model repository.
+TEST_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +24,7 @@ def triton_server(tmp_path_factory):
     missing = missing_artifacts()
     if missing:
         pytest.fail(f"model files missing ({', '.join(map(str, missing))}): run `make export` first")
-    http_port, grpc_port, metrics_port = free_ports(3)
-    config = ServerConfig(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
+    config = config_on_free_ports(extra_model_repositories=(TEST_MODEL_REPOSITORY,))
     server = EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("triton") / "tritonserver.log")
     server.start()
     yield server
@@ -68,6 +58,8 @@ def eager_logits(model: torch.nn.Module, batch: np.ndarray) -> np.ndarray:
 
 
 def assert_invalid_argument(exc, protocol: str) -> None:
-    """HTTP 400 or gRPC INVALID_ARGUMENT, as Triton reports bad input."""
+    """A client.errors.InvalidInputError carrying HTTP 400 or gRPC INVALID_ARGUMENT, as Triton reports
+    bad input."""
     expected = "400" if protocol == "http" else "StatusCode.INVALID_ARGUMENT"
-    assert exc.status() == expected, f"status {exc.status()} (expected {expected}): {exc.message()}"
+    assert isinstance(exc, InvalidInputError), f"{type(exc).__name__}: {exc}"
+    assert exc.status == expected, f"status {exc.status} (expected {expected}): {exc.message}"

@@ -22,13 +22,23 @@ def default_config(model: str) -> mc.ModelConfig:
 def signature(config: mc.ModelConfig):
     def tensors(items):
         return [(t.name, t.data_type, list(t.dims), getattr(t, "label_filename", "")) for t in items]
-    return config.name, config.max_batch_size, tensors(config.input), tensors(config.output)
+    return config.name, tensors(config.input), tensors(config.output)
+
+
+def variant_name(path: Path) -> str:
+    """"default" for config.pbtxt, else the --model-config-name that selects configs/<name>.pbtxt."""
+    return "default" if path.name == "config.pbtxt" else path.stem
+
+
+def ensemble_steps() -> set[str]:
+    return {step.model_name for step in default_config(artifacts.ENSEMBLE_MODEL).ensemble_scheduling.step}
 
 
 def test_every_model_directory_has_a_default_config():
     models = {p.name for p in artifacts.MODEL_REPOSITORY.iterdir() if p.is_dir()}
     assert models == set(artifacts.ALL_MODELS)
-    assert len(CONFIG_FILES) >= len(models) + 2  # at least the two gpu variants
+    variants = {variant_name(p) for p in CONFIG_FILES}
+    assert {"default", "gpu", "latency", "throughput", "no_batching"} <= variants
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(artifacts.MODEL_REPOSITORY)))
@@ -37,9 +47,10 @@ def test_config_names_its_directory_and_variants_match_the_default(path):
     model_dir = path.parent if path.name == "config.pbtxt" else path.parent.parent
     assert config.name == model_dir.name
     default = default_config(model_dir.name)
-    assert signature(config) == signature(default)
-    assert list(config.dynamic_batching.preferred_batch_size) == list(
-        default.dynamic_batching.preferred_batch_size)
+    assert signature(config) == signature(default)  # names, dtypes, dims, labels
+    assert (config.max_batch_size > 0) == (default.max_batch_size > 0)
+    if model_dir.name in ensemble_steps():  # the ensemble must still load with this variant
+        assert config.max_batch_size >= default_config(artifacts.ENSEMBLE_MODEL).max_batch_size
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIG_FILES if parse(p).platform != "ensemble"],
@@ -47,15 +58,24 @@ def test_config_names_its_directory_and_variants_match_the_default(path):
 def test_batched_model_has_batcher_queue_policy_instances_and_warmup(path):
     config = parse(path)
     assert config.max_batch_size > 0
-    batcher = config.dynamic_batching
-    assert batcher.preferred_batch_size and max(batcher.preferred_batch_size) <= config.max_batch_size
-    assert batcher.max_queue_delay_microseconds > 0
-    assert batcher.default_queue_policy.max_queue_size > 0
     assert config.instance_group and all(g.count >= 1 for g in config.instance_group)
     assert config.model_warmup
     for warmup in config.model_warmup:
         assert 1 <= warmup.batch_size <= config.max_batch_size
         assert set(warmup.inputs) == {t.name for t in config.input}
+    variant = variant_name(path)
+    if variant == "no_batching":  # the baseline: Triton's default scheduler, one request per execution
+        assert not config.HasField("dynamic_batching")
+        return
+    batcher = config.dynamic_batching
+    assert batcher.preferred_batch_size and max(batcher.preferred_batch_size) <= config.max_batch_size
+    assert batcher.default_queue_policy.max_queue_size > 0  # bounded queue: back-pressure
+    if variant == "latency":
+        assert batcher.max_queue_delay_microseconds == 0
+    else:
+        assert batcher.max_queue_delay_microseconds > 0
+    if variant == "throughput":
+        assert list(batcher.preferred_batch_size) == [config.max_batch_size]
 
 
 def test_ensemble_steps_fit_their_models():

@@ -1,0 +1,1 @@
+"""Benchmarks: perf_analyzer sweeps, in-process ceilings, the shared-memory comparison, reports."""

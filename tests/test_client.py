@@ -1,0 +1,243 @@
+"""The client API (client.classifier) over HTTP and gRPC, blocking and asyncio, against the real server:
+health, metadata, classification, tensors, shared memory, back-pressure retries, deadlines, and the
+classify CLI's exit codes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from client.backoff import RetryPolicy
+from client.classifier import AsyncTritonClassifierClient, TritonClassifierClient
+from client.errors import DeadlineExceededError, QueueFullError
+from client.samples import sample_photos
+from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT
+from export.resnet18 import PARITY_ATOL, PARITY_RTOL, parity_batch
+
+from conftest import PROTOCOLS, eager_logits, free_ports, url_for
+from test_inference import TORCHVISION_EVAL
+
+STUB_MODEL = "resnet18_slow_stub"  # tests/model_repository: sleeps 100 ms per execution, queue of 1
+APIS = ("sync", "asyncio")
+
+
+class BlockingView:
+    """Runs an AsyncTritonClassifierClient's coroutines to completion on its own event loop, so one test
+    body exercises both clients."""
+
+    def __init__(self, url: str, protocol: str, **options):
+        self.loop = asyncio.new_event_loop()
+        self.client = self.loop.run_until_complete(self._make(url, protocol, options))
+
+    @staticmethod
+    async def _make(url, protocol, options):
+        return AsyncTritonClassifierClient(url, protocol, **options)
+
+    def __getattr__(self, name):
+        attribute = getattr(self.client, name)
+        if not asyncio.iscoroutinefunction(attribute):
+            return attribute
+        return lambda *args, **kwargs: self.loop.run_until_complete(attribute(*args, **kwargs))
+
+    def close(self):
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
+
+
+def make_client(server, protocol: str, api: str, **options):
+    url = url_for(server, protocol)
+    if api == "sync":
+        return TritonClassifierClient(url, protocol, **options)
+    return BlockingView(url, protocol, **options)
+
+
+@pytest.fixture(params=[(p, a) for p in PROTOCOLS for a in APIS], ids=lambda pa: f"{pa[0]}-{pa[1]}")
+def any_client(request, triton_server):
+    protocol, api = request.param
+    client = make_client(triton_server, protocol, api)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def photos_and_eager_top5(eager_model):
+    photos = sample_photos()
+    batch = torch.stack([TORCHVISION_EVAL(Image.open(p).convert("RGB")) for p in photos]).numpy()
+    top5 = np.argsort(-eager_logits(eager_model, batch), axis=1)[:, :5]
+    return [p.read_bytes() for p in photos], top5.tolist()
+
+
+def test_health(any_client):
+    assert any_client.is_server_live()
+    assert any_client.is_server_ready()
+    assert any_client.is_model_ready(ENSEMBLE_MODEL)
+    assert not any_client.is_model_ready("no_such_model")
+
+
+def test_metadata(any_client):
+    metadata = any_client.model_metadata(ENSEMBLE_MODEL)
+    assert metadata["inputs"] == [{"name": "image", "datatype": "BYTES", "shape": [-1, 1]}]
+    assert metadata["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 1000]}]
+    assert any_client.model_metadata(ONNX_MODEL)["inputs"][0]["shape"] == [-1, 3, 224, 224]
+
+
+def test_classify_real_photos(any_client, photos_and_eager_top5):
+    images, expected_top5 = photos_and_eager_top5
+    predictions = any_client.classify(images, top_k=5)
+    assert [[p.class_index for p in row] for row in predictions] == expected_top5
+    assert all(p.label and np.isfinite(p.score) for row in predictions for p in row)
+
+
+def test_infer_tensor_matches_eager_torch(any_client, eager_model):
+    batch = parity_batch(3, seed=11)
+    logits = any_client.infer_tensor(batch)
+    assert logits.shape == (3, 1000) and logits.dtype == np.float32
+    np.testing.assert_allclose(logits, eager_logits(eager_model, batch), rtol=PARITY_RTOL, atol=PARITY_ATOL)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("api", APIS)
+def test_shared_memory_equals_plain_and_is_released_on_close(triton_server, protocol, api):
+    batch = parity_batch(5, seed=21)
+    plain = make_client(triton_server, protocol, api)
+    shared = make_client(triton_server, protocol, api, shared_memory=True)
+    try:
+        expected = plain.infer_tensor(batch)
+        np.testing.assert_array_equal(shared.infer_tensor(batch), expected)
+        np.testing.assert_array_equal(shared.infer_tensor(batch[:2]), expected[:2])  # same regions reused
+        regions = shared._regions[ONNX_MODEL]
+        registered = _registered_region_names(triton_server)
+        assert {regions.input_name, regions.output_name} <= registered
+        keys = [Path("/dev/shm") / key.lstrip("/") for _, key, _ in regions.registrations()]
+        assert all(k.exists() for k in keys)
+    finally:
+        shared.close()
+        plain.close()
+    assert not {regions.input_name, regions.output_name} & _registered_region_names(triton_server)
+    assert not any(k.exists() for k in keys)
+
+
+def _registered_region_names(server) -> set[str]:
+    with TritonClassifierClient(server.config.http_url, "http") as c:
+        return {region["name"] for region in c.raw.get_system_shared_memory_status()}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("api", APIS)
+def test_queue_full_refusals_are_retried_until_all_succeed(triton_server, protocol, api):
+    """A burst of 12 at a model whose queue holds 1 request: the server refuses most of them with
+    503 / UNAVAILABLE at first; with retries every request succeeds within its deadline."""
+    burst = 12
+    batches = [np.full((1, 3, 224, 224), i, np.float32) for i in range(burst)]
+    retry = RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.2, deadline_s=20.0)
+    started = time.monotonic()
+    if api == "sync":
+        def send(batch):
+            with TritonClassifierClient(url_for(triton_server, protocol), protocol, retry=retry) as c:
+                return c.infer_tensor(batch, model=STUB_MODEL), c.retries
+
+        with ThreadPoolExecutor(max_workers=burst) as pool:
+            outcomes = list(pool.map(send, batches))
+        results, retries = [o[0] for o in outcomes], sum(o[1] for o in outcomes)
+    else:
+        async def burst_of_requests():
+            async with AsyncTritonClassifierClient(url_for(triton_server, protocol), protocol,
+                                                   retry=retry) as c:
+                answers = await asyncio.gather(*(c.infer_tensor(b, model=STUB_MODEL) for b in batches))
+                return answers, c.retries
+
+        results, retries = asyncio.run(burst_of_requests())
+    elapsed = time.monotonic() - started
+    print(f"\n{protocol}/{api}: {burst} requests, {retries} queue-full retries, all answered in {elapsed:.2f} s")
+    for i, logits in enumerate(results):
+        np.testing.assert_array_equal(logits, np.full((1, 1000), i, np.float32))
+    assert retries >= 1, "the burst never met a full queue: the test proves nothing"
+
+
+def test_queue_full_without_retry_budget_raises_the_typed_error(triton_server):
+    """With no time left for a retry, the refusal itself reaches the caller as QueueFullError."""
+    url = url_for(triton_server, "http")
+    retry = RetryPolicy(initial_backoff_s=5.0, max_backoff_s=5.0, deadline_s=2.0)
+    retry.rng.seed(0)  # backoff draws of uniform(0, 5) s: the first three exceed the 2 s budget
+
+    def send(i):
+        with TritonClassifierClient(url, "http", retry=retry) as c:
+            try:
+                c.infer_tensor(np.zeros((1, 3, 224, 224), np.float32), model=STUB_MODEL)
+                return None
+            except QueueFullError as exc:
+                return exc
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        refusals = [r for r in pool.map(send, range(6)) if r is not None]
+    assert refusals, "six concurrent requests at a queue of one: some must be refused"
+    assert all(r.status == "503" and "Exceeds maximum queue size" in r.message for r in refusals)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("api", APIS)
+def test_expired_deadline_raises_the_typed_error(triton_server, protocol, api):
+    client = make_client(triton_server, protocol, api)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            client.infer_tensor(np.zeros((1, 3, 224, 224), np.float32), model=STUB_MODEL, deadline_s=0.03)
+        assert time.monotonic() - started < 1.0, "the deadline was not enforced"
+    finally:
+        client.close()
+    time.sleep(0.2)  # let the stub finish the abandoned request before the next test uses it
+
+
+# -- the classify CLI -----------------------------------------------------------------------------------
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "client.classify", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_classifies_files_and_folders_as_json_lines(triton_server, tmp_path, photos_and_eager_top5):
+    photos = sample_photos()
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for photo in photos[1:]:
+        (folder / photo.name).write_bytes(photo.read_bytes())
+    result = run_cli("--protocol", "grpc", "--url", triton_server.config.grpc_url, "--json",
+                     "--concurrency", "4", str(photos[0]), str(folder))
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(lines) == len(photos)
+    by_name = {Path(line["file"]).name: line for line in lines}
+    for photo, expected in zip(photos, photos_and_eager_top5[1]):
+        assert [p["class_index"] for p in by_name[photo.name]["predictions"]] == expected
+
+
+def test_cli_exits_1_when_an_image_fails(triton_server, tmp_path):
+    bad = tmp_path / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8\xff not really a jpeg")
+    result = run_cli("--url", triton_server.config.http_url, "--json", str(sample_photos()[0]), str(bad))
+    assert result.returncode == 1
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert "predictions" in lines[0] and lines[1]["status"] == "400" and "broken.jpg" in lines[1]["file"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_cli_exits_2_when_the_server_is_unreachable(protocol):
+    (port,) = free_ports(1)
+    result = run_cli("--protocol", protocol, "--url", f"127.0.0.1:{port}", str(sample_photos()[0]))
+    assert result.returncode == 2
+    assert "cannot reach a Triton server" in result.stderr and result.stdout == ""
+
+
+def test_cli_exits_2_when_the_model_is_not_ready(triton_server):
+    result = run_cli("--url", triton_server.config.http_url, "--model", "no_such_model",
+                     str(sample_photos()[0]))
+    assert result.returncode == 2 and "not ready" in result.stderr
