@@ -41,3 +41,4 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
 else
   echo "setup: $VENV is up to date with requirements.txt"
 fi
+scripts/setup_deploy_tools.sh  # deployment-check tools for tests/test_deploy.py (compose parsers; kubectl via requirements.txt)
