@@ -6,6 +6,21 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def _families(metrics_url: str, timeout_s: float):
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+        return list(text_string_to_metric_families(response.read().decode()))
+
+
+def server_gauge(metrics_url: str, name: str, timeout_s: float = 5.0) -> float | None:
+    """The value of an unlabelled server-wide gauge, e.g. `nv_cpu_utilization` (fraction of all cores
+    busy, 0..1, sampled by Triton every --metrics-interval-ms), or None when the server has none."""
+    for family in _families(metrics_url, timeout_s):
+        for sample in family.samples:
+            if sample.name == name and not sample.labels:
+                return sample.value
+    return None
+
+
 def model_counters(metrics_url: str, model: str, timeout_s: float = 5.0) -> dict[str, float]:
     """Return every sample of `model` (label model=<name>, summed over versions) by metric name.
 
@@ -14,10 +29,8 @@ def model_counters(metrics_url: str, model: str, timeout_s: float = 5.0) -> dict
     E.g. {"nv_inference_count": 120.0, "nv_inference_exec_count": 15.0, ...}.
     Raises urllib.error.URLError when the endpoint cannot be reached.
     """
-    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
-        text = response.read().decode()
     counters: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in _families(metrics_url, timeout_s):
         for sample in family.samples:
             if sample.labels.get("model") == model:
                 name = family.name if sample.name == f"{family.name}_total" else sample.name

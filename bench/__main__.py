@@ -1,0 +1,265 @@
+"""python -m bench: perf_analyzer sweeps of ResNet-18 over swapped model configs, against the ceilings.
+
+For each named config of the model (config.pbtxt as "default", and configs/<name>.pbtxt), the embedded
+tritonserver is restarted with `--model-config-name=<name>`: a restart, not the model-control API,
+because the process start -> ready time is one of the figures (cold start), and because a restart with
+`--model-config-name` is exactly how docker compose and Kubernetes switch configs; the config the
+server really loaded is read back and recorded. Per config:
+  * cold start: process start to every model ready (s), then the first inference's latency (ms);
+  * the in-process ceiling (ONNX Runtime, no server) at batch 1 and at the config's max_batch_size;
+  * a perf_analyzer concurrency sweep and a Poisson request-rate sweep, one perf_analyzer run per level,
+    with the statistics extension read before and after each (stage times, batch sizes formed) and
+    the server's CPU utilization sampled from the metrics endpoint.
+Then the batching-layer ceiling: the trivial `identity` model through the same server and batcher.
+
+Writes results/bench-<UTC time>[-quick]/: perf_analyzer's files per level, machine.json, summary.json,
+report.md and three PNG plots. --quick finishes in under 3 minutes on the 2-core reference machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from bench import inprocess
+from bench.machine import machine_info
+from bench.perf_analyzer import LoadSpec, run_level
+from bench.report import saturation_row, write_report
+from bench.server_stats import CpuSampler, model_statistics, statistics_delta
+from client.classifier import TritonClassifierClient
+from export.artifacts import MODEL_REPOSITORY, ONNX_MODEL, REPO_ROOT, missing_artifacts
+from server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+BENCH_REPOSITORY = Path(__file__).parent / "model_repository"
+IDENTITY_MODEL = "identity"
+FP32_LOGITS_BYTES = 1000 * 4
+
+
+def config_names(model: str) -> list[str]:
+    """"default" (config.pbtxt) and every configs/<name>.pbtxt of `model`, GPU-only variants left out."""
+    names = sorted(p.stem for p in (MODEL_REPOSITORY / model / "configs").glob("*.pbtxt"))
+    return ["default"] + [n for n in names if n != "gpu"]
+
+
+def local_batching(model: str, name: str) -> tuple[int, int]:
+    """(max_batch_size, max_queue_size) of config `name` as written in the model repository."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    path = MODEL_REPOSITORY / model / ("config.pbtxt" if name == "default" else f"configs/{name}.pbtxt")
+    config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    return config.max_batch_size, config.dynamic_batching.default_queue_policy.max_queue_size
+
+
+def served_config(client: TritonClassifierClient, model: str) -> dict:
+    """The batching settings the server actually loaded for `model` (read back over HTTP)."""
+    config = client.model_config(model)
+    batcher = config.get("dynamic_batching")
+    policy = (batcher or {}).get("default_queue_policy", {})
+    return {"max_batch_size": int(config["max_batch_size"]), "dynamic_batching": batcher is not None,
+            "preferred_batch_size": [int(b) for b in (batcher or {}).get("preferred_batch_size", [])],
+            "max_queue_delay_us": int((batcher or {}).get("max_queue_delay_microseconds", 0)),
+            "max_queue_size": int(policy.get("max_queue_size", 0)),
+            "instances": sum(int(g["count"]) for g in config["instance_group"])}
+
+
+def measure_level(server: EmbeddedTritonServer, model: str, load: LoadSpec, level: float, out_dir: Path,
+                  protocol: str) -> dict:
+    """One perf_analyzer level with the server-side statistics of exactly that run."""
+    config = server.config
+    url = config.grpc_url if protocol == "grpc" else config.http_url
+    before = model_statistics(config.http_url, model)
+    with CpuSampler(config.metrics_url) as cpu:
+        row = run_level(model, url, protocol, load, level, out_dir, metrics_url=config.metrics_url)
+    after = model_statistics(config.http_url, model)
+    return {**asdict(row), "server": statistics_delta(before, after), "cpu_utilization": cpu.mean}
+
+
+def levels_for(max_batch_size: int, max_queue_size: int, quick: bool) -> tuple[int, ...]:
+    """Concurrency levels: powers of two up to 2 x max_batch_size (the saturation rule of thumb of
+    Triton's guide: 2 x max_batch_size x instances), but no more than the queue holds (max_queue_size,
+    0 = unbounded): beyond it the server refuses requests, which perf_analyzer treats as a failed run.
+    --quick keeps 1 and the top level (see QUICK_LEVELS)."""
+    top = min(2 * max_batch_size, max_queue_size or 2 * max_batch_size)
+    levels = tuple(sorted({1, *[2 ** k for k in range(1, 10) if 2 ** k <= top], top}))
+    return (1, top) if quick else levels
+
+
+#: --quick: the levels the targets are about (the latency config at concurrency 1, the throughput config at
+#: 2 x max_batch_size), one level per other config; measured as fixed request counts, no stabilization.
+QUICK_LEVELS = {"latency": (1,), "throughput": (64,), "no_batching": (16,), "default": (1, 32)}
+
+
+def concurrency_levels(name: str, max_batch_size: int, max_queue_size: int, quick: bool) -> tuple[int, ...]:
+    if quick and name in QUICK_LEVELS:
+        return QUICK_LEVELS[name]
+    return levels_for(max_batch_size, max_queue_size, quick)
+
+
+def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> dict:
+    """Restart the server with config `name`, measure cold start, in-process ceiling and both sweeps."""
+    out = run_dir / name
+    out.mkdir(parents=True)
+    server_config = config_on_free_ports(model_config_name=None if name == "default" else name)
+    server = EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log")
+    progress.set_description(f"{name}: starting tritonserver")
+    ready_s = server.start()
+    try:
+        with TritonClassifierClient(server_config.http_url, "http") as client:
+            probe = np.zeros((1, 3, 224, 224), np.float32)
+            started = time.perf_counter()
+            client.infer_tensor(probe, model=model)
+            first_ms = (time.perf_counter() - started) * 1e3
+            record = {"name": name, **served_config(client, model),
+                      "triton_version": client.raw.get_server_metadata()["version"],
+                      "cold_start": {"process_to_ready_s": ready_s, "first_inference_ms": first_ms}}
+        progress.set_description(f"{name}: in-process ceiling")
+        ceiling = {r.batch_size: asdict(r) for r in inprocess.measure(
+            "onnxruntime", sorted({1, record["max_batch_size"]}), duration_s=args.inprocess_s)}
+        record["inprocess"] = list(ceiling.values())
+        record["inprocess_at_max_batch"] = ceiling[record["max_batch_size"]]["throughput"]
+        capacity = record["inprocess_at_max_batch"]
+        fallback = int(capacity * 3 * args.measurement_ms / 1000)  # about 3 windows' worth of requests
+        levels = concurrency_levels(name, record["max_batch_size"], record["max_queue_size"], args.quick)
+        load = LoadSpec("concurrency", levels, shared_memory=args.shared_memory, output_shm_bytes=FP32_LOGITS_BYTES,
+                        measurement_ms=args.measurement_ms, fallback_request_count=fallback)
+        record["concurrency"] = []
+        for level in load.levels:
+            if args.quick:  # ~2.5 s of capacity, and at least 6 rounds of the concurrency
+                load = replace(load, request_count=max(int(capacity * 2.5), 6 * int(level)))
+            progress.set_description(f"{name}: concurrency {level:g}")
+            record["concurrency"].append(measure_level(server, model, load, level, out / f"concurrency-{level:g}",
+                                                       args.protocol))
+            progress.update()
+        rates = tuple(round(f * capacity, 1) for f in args.rate_fractions) if name in args.rate_configs else ()
+        rate_load = LoadSpec("request_rate", rates, shared_memory=args.shared_memory,
+                             output_shm_bytes=FP32_LOGITS_BYTES, measurement_ms=args.measurement_ms,
+                             fallback_request_count=fallback,
+                             request_count=int(capacity * 2.5) if args.quick else 0)
+        record["request_rate"] = []
+        for rate in rates:
+            progress.set_description(f"{name}: {rate:g} requests/s")
+            record["request_rate"].append(measure_level(server, model, rate_load, rate, out / f"rate-{rate:g}",
+                                                        args.protocol))
+            progress.update()
+        record["efficiency"] = saturation_row(record)["throughput"] / capacity
+        return record
+    finally:
+        server.stop()
+
+
+def run_identity(run_dir: Path, args, progress: tqdm) -> dict:
+    """The batching-layer ceiling: `identity` through the same server, batcher and protocol stack."""
+    out = run_dir / IDENTITY_MODEL
+    out.mkdir()
+    server_config = config_on_free_ports(model_repository=BENCH_REPOSITORY)
+    with EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log") as server:
+        with TritonClassifierClient(server_config.http_url, "http") as client:
+            instances = served_config(client, IDENTITY_MODEL)["instances"]
+        load = LoadSpec("concurrency", (128,) if args.quick else (1, 4, 16, 64, 128, 256),
+                        measurement_ms=args.measurement_ms, async_mode=True,
+                        fallback_request_count=int(7000 * 3 * args.measurement_ms / 1000),
+                        request_count=20000 if args.quick else 0)
+        rows = []
+        for level in load.levels:
+            progress.set_description(f"identity: concurrency {level:g}")
+            rows.append(measure_level(server, IDENTITY_MODEL, load, level, out / f"concurrency-{level:g}", "grpc"))
+            progress.update()
+    return {"instances": instances, "protocol": "grpc", "mode": "async", "concurrency": rows}
+
+
+def evaluate_targets(configs: dict[str, dict], identity: dict, cores: int) -> list[dict]:
+    """The issue's targets, each with what was measured and whether it was met."""
+    targets = []
+    if "throughput" in configs:
+        c = configs["throughput"]
+        targets.append({"name": "serving efficiency at saturation, throughput config", "wanted": ">= 0.95",
+                        "measured": f"{c['efficiency']:.3f} ({saturation_row(c)['throughput']:.1f} / "
+                                    f"{c['inprocess_at_max_batch']:.1f} infer/s)",
+                        "met": c["efficiency"] >= 0.95})
+        top = max(c["concurrency"], key=lambda r: r["level"])
+        ratio = top["server"]["average_batch"] / c["max_batch_size"]
+        targets.append({"name": f"average batch at concurrency {top['level']:g} (2 x max_batch_size), "
+                                "throughput config", "wanted": f">= 0.9 x {c['max_batch_size']}",
+                        "measured": f"{top['server']['average_batch']:.1f} ({ratio:.2f} x)", "met": ratio >= 0.9})
+    if "latency" in configs:
+        c = configs["latency"]
+        one = next(r for r in c["concurrency"] if r["level"] == 1)
+        inproc = next(r for r in c["inprocess"] if r["batch_size"] == 1)["p50_ms"]
+        gap = one["p50_us"] / 1000 - inproc
+        targets.append({"name": "latency config p50 at concurrency 1 vs in-process batch 1",
+                        "wanted": "within 2 ms", "measured": f"{one['p50_us'] / 1000:.1f} vs {inproc:.1f} ms "
+                                                             f"(+{gap:.1f} ms)", "met": gap <= 2.0})
+    best = max(identity["concurrency"], key=lambda r: r["throughput"])
+    targets.append({"name": "trivial-model ceiling over gRPC", "wanted": "> 7,000 infer/s",
+                    "measured": f"{best['throughput']:,.0f} infer/s at concurrency {best['level']:g} "
+                                f"({best['throughput'] / cores:,.0f} per core)", "met": best["throughput"] > 7000})
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer levels, shorter windows (< 3 min)")
+    parser.add_argument("--model", default=ONNX_MODEL)
+    parser.add_argument("--configs", nargs="*", help="config names (default: all CPU configs of the model)")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--shared-memory", choices=("none", "system"), default="system",
+                        help="perf_analyzer's tensor transport (default system: same host)")
+    parser.add_argument("--measurement-ms", type=int, help="perf_analyzer window (default 4000, quick 1500)")
+    parser.add_argument("--out", type=Path, help="results folder (default results/bench-<time>)")
+    args = parser.parse_args(argv)
+    if missing_artifacts():
+        print("bench: model files missing: run `make export` first", file=sys.stderr)
+        return 2
+    args.measurement_ms = args.measurement_ms or (1500 if args.quick else 4000)
+    args.inprocess_s = 1.5 if args.quick else 8.0
+    #: Request rates as fractions of the in-process ceiling at max batch (its capacity on this machine).
+    args.rate_fractions = (0.7,) if args.quick else (0.3, 0.5, 0.7, 0.9)
+    args.rate_configs = ("default",) if args.quick else ("default", "latency", "throughput")
+    names = args.configs or config_names(args.model)
+
+    started = time.time()
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    run_dir = args.out or REPO_ROOT / "results" / f"bench-{stamp:%Y%m%d-%H%M%S}{'-quick' if args.quick else ''}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    steps = sum(len(concurrency_levels(n, *local_batching(args.model, n), args.quick)) for n in names)
+    steps += len(args.rate_fractions) * sum(n in args.rate_configs for n in names) + (1 if args.quick else 6)
+    configs = {}
+    with tqdm(total=steps, unit="level", file=sys.stderr) as progress:
+        for name in names:
+            configs[name] = run_config(name, args.model, run_dir, args, progress)
+        identity = run_identity(run_dir, args, progress)
+    torchscript = [asdict(r) for r in inprocess.measure("torchscript", [1, 16, 32], duration_s=args.inprocess_s)]
+    machine = machine_info(next(iter(configs.values()))["triton_version"])
+    summary = {
+        "command": "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "started_utc": stamp.isoformat(timespec="seconds"), "elapsed_s": time.time() - started,
+        "model": args.model, "machine": machine,
+        "perf_analyzer": {"protocol": args.protocol, "shared_memory": args.shared_memory,
+                          "measurement_ms": args.measurement_ms},
+        "configs": list(configs.values()),
+        "inprocess": [r for c in configs.values() for r in c["inprocess"] if c["name"] == names[0]] + torchscript,
+        "identity": identity,
+        "targets": evaluate_targets(configs, identity, machine["cores"]),
+    }
+    (run_dir / "machine.json").write_text(json.dumps(machine, indent=2) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report = write_report(run_dir)
+    print(f"\nbench: {report.relative_to(REPO_ROOT)} ({time.time() - started:.0f} s)")
+    for target in summary["targets"]:
+        print(f"  {'met   ' if target['met'] else 'MISSED'} {target['name']}: {target['measured']} "
+              f"(wanted {target['wanted']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

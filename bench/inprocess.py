@@ -1,0 +1,71 @@
+"""The ceiling: the exported ResNet-18 run in-process, with no server, at the batch sizes served.
+
+The same files the server loads (model.onnx with ONNX Runtime, model.pt with TorchScript), the same
+thread setting as the models' `intra_op_threads` parameter (0 = one thread per core), the same cores.
+Serving efficiency = served infer/s / in-process infer/s at the batch size the server formed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from export.artifacts import ONNX_PATH, TORCHSCRIPT_PATH
+
+
+@dataclass
+class InProcessResult:
+    """runtime: "onnxruntime" or "torchscript"; batch_size; throughput in images/s over the timed
+    runs; p50_ms / mean_ms: latency of one batch, milliseconds; runs: timed batches."""
+
+    runtime: str
+    batch_size: int
+    throughput: float
+    p50_ms: float
+    mean_ms: float
+    runs: int
+
+
+def load_runner(runtime: str, threads: int = 0):
+    """A function FP32 [N,3,224,224] -> logits for `runtime`, loaded once (threads 0 = all cores)."""
+    if runtime == "onnxruntime":
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = ort.InferenceSession(str(ONNX_PATH), options, providers=["CPUExecutionProvider"])
+        return lambda batch: session.run(None, {"input": batch})[0]
+    if runtime == "torchscript":
+        import torch
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        module = torch.jit.load(str(TORCHSCRIPT_PATH), map_location="cpu").eval()
+
+        def run(batch):
+            with torch.inference_mode():
+                return module(torch.from_numpy(batch)).numpy()
+        return run
+    raise ValueError(f"unknown runtime {runtime!r} (onnxruntime, torchscript)")
+
+
+def measure(runtime: str, batch_sizes: list[int], duration_s: float = 5.0, threads: int = 0,
+            runner=None) -> list[InProcessResult]:
+    """Time `runtime` at each batch size for about `duration_s` seconds (after 2 untimed warm-up runs,
+    at least 3 timed runs). Input: standard-normal FP32, the scale of normalized images."""
+    run = runner or load_runner(runtime, threads)
+    results = []
+    for batch_size in batch_sizes:
+        batch = np.random.default_rng(batch_size).standard_normal((batch_size, 3, 224, 224), dtype=np.float32)
+        run(batch), run(batch)
+        times = []
+        started = time.perf_counter()
+        while len(times) < 3 or time.perf_counter() - started < duration_s:
+            t0 = time.perf_counter()
+            run(batch)
+            times.append(time.perf_counter() - t0)
+        seconds = np.array(times)
+        results.append(InProcessResult(runtime, batch_size, float(batch_size * len(times) / seconds.sum()),
+                                       float(np.median(seconds) * 1e3), float(seconds.mean() * 1e3), len(times)))
+    return results

@@ -1,0 +1,160 @@
+"""Turn a benchmark run's summary.json into report.md and PNG plots (matplotlib, no display needed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+BREAKDOWN = (("server_queue_us", "server queue"), ("server_compute_input_us", "compute input"),
+             ("server_compute_infer_us", "compute infer"), ("server_compute_output_us", "compute output"),
+             ("network_us", "network + server send/recv"), ("client_send_us", "client send"),
+             ("client_recv_us", "client recv"))
+
+
+def saturation_row(config: dict) -> dict:
+    """The concurrency level with the highest throughput of a config's sweep."""
+    return max(config["concurrency"], key=lambda row: row["throughput"])
+
+
+def plot_throughput_vs_p99(summary: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for config in summary["configs"]:
+        rows = sorted(config["concurrency"], key=lambda r: r["level"])
+        ax.plot([r["p99_us"] / 1000 for r in rows], [r["throughput"] for r in rows], marker="o",
+                label=config["name"])
+        for row in rows:
+            ax.annotate(f"{row['level']:g}", (row["p99_us"] / 1000, row["throughput"]), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+    ax.set_xscale("log")
+    ax.set_xlabel("p99 latency (ms, log scale); labels: concurrency")
+    ax.set_ylabel("throughput (infer/s)")
+    ax.set_title(f"{summary['model']}: throughput vs p99 latency per config")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_latency_breakdown(summary: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [c["name"] for c in summary["configs"]]
+    rows = [saturation_row(c) for c in summary["configs"]]
+    bottoms = [0.0] * len(rows)
+    for key, label in BREAKDOWN:
+        values = [row[key] / 1000 for row in rows]
+        ax.bar(names, values, bottom=bottoms, label=label)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for i, row in enumerate(rows):
+        ax.annotate(f"c={row['level']:g}", (i, bottoms[i]), ha="center", fontsize=8,
+                    textcoords="offset points", xytext=(0, 3))
+    ax.set_ylabel("mean latency per request (ms)")
+    ax.set_title("latency breakdown at each config's saturation point (perf_analyzer)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_batch_sizes(summary: dict, path: Path) -> None:
+    configs = summary["configs"]
+    fig, axes = plt.subplots(1, len(configs), figsize=(3.2 * len(configs), 3.6), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        row = saturation_row(config)
+        histogram = {int(k): v for k, v in row["server"]["batch_executions"].items()}
+        ax.bar(list(histogram), list(histogram.values()), width=0.8)
+        ax.set_title(f"{config['name']} (c={row['level']:g})\naverage {row['server']['average_batch']:.1f}",
+                     fontsize=9)
+        ax.set_xlabel("batch size formed")
+        ax.set_ylabel("executions")
+    fig.suptitle("batch sizes the dynamic batcher formed (statistics extension)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1000:.1f}"
+
+
+def level_table(rows: list[dict], level_name: str) -> list[str]:
+    lines = [f"| {level_name} | infer/s | mean ± std ms | min | max | p50 | p90 | p95 | p99 | queue | "
+             "compute in | infer | out | avg batch | server CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cpu = r.get("cpu_utilization")
+        lines.append(
+            f"| {r['level']:g} | {r['throughput']:.1f} | {_ms(r['mean_us'])} ± {_ms(r['std_us'])} | "
+            f"{_ms(r['min_us'])} | {_ms(r['max_us'])} | {_ms(r['p50_us'])} | {_ms(r['p90_us'])} | "
+            f"{_ms(r['p95_us'])} | {_ms(r['p99_us'])} | {_ms(r['server_queue_us'])} | "
+            f"{_ms(r['server_compute_input_us'])} | {_ms(r['server_compute_infer_us'])} | "
+            f"{_ms(r['server_compute_output_us'])} | {r['server']['average_batch']:.1f} | "
+            f"{'n/a' if cpu is None else f'{cpu:.0%}'} |")
+    return lines
+
+
+def markdown(summary: dict, plots: dict[str, str]) -> str:
+    machine = summary["machine"]
+    out = [f"# Benchmark report: {summary['model']} on Triton {machine['triton_version']}", "",
+           f"Command: `{summary['command']}`  ",
+           f"Started {summary['started_utc']}, took {summary['elapsed_s']:.0f} s. Machine: {machine['cpu']}, "
+           f"{machine['cores']} cores, GPU: {machine['gpu'] or 'none'}; Python {machine['python']}, "
+           f"onnxruntime {machine['onnxruntime']}, torch {machine['torch']}.  ",
+           f"Load: perf_analyzer {summary['perf_analyzer']['protocol']}, shared memory "
+           f"`{summary['perf_analyzer']['shared_memory']}`, measurement window "
+           f"{summary['perf_analyzer']['measurement_ms']} ms; client and server on the same machine. "
+           f"Latencies in ms. Configs switched by restarting tritonserver with `--model-config-name`.", ""]
+    out += ["## Targets", "", "| target | wanted | measured | verdict |", "|---|---|---|---|"]
+    for t in summary["targets"]:
+        out.append(f"| {t['name']} | {t['wanted']} | {t['measured']} | {'met' if t['met'] else 'MISSED'} |")
+    out += ["", "## Configs", "", "| config | max batch | preferred | max queue delay µs | max queue | "
+            "process start → ready s | first inference ms | in-process infer/s at max batch | "
+            "best served infer/s | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in summary["configs"]:
+        best = saturation_row(c)
+        out.append(f"| {c['name']} | {c['max_batch_size']} | {c['preferred_batch_size'] or '-'} | "
+                   f"{c['max_queue_delay_us'] if c['dynamic_batching'] else 'no batcher'} | "
+                   f"{c['max_queue_size'] or '-'} | {c['cold_start']['process_to_ready_s']:.1f} | "
+                   f"{c['cold_start']['first_inference_ms']:.1f} | {c['inprocess_at_max_batch']:.1f} | "
+                   f"{best['throughput']:.1f} (c={best['level']:g}) | {c['efficiency']:.2f} |")
+    out += ["", f"![throughput vs p99]({plots['throughput_vs_p99']})", "",
+            f"![latency breakdown]({plots['latency_breakdown']})", "",
+            f"![batch sizes]({plots['batch_sizes']})", ""]
+    for c in summary["configs"]:
+        out += [f"### {c['name']}: concurrency sweep", ""] + level_table(c["concurrency"], "concurrency")
+        if c["request_rate"]:
+            out += ["", f"### {c['name']}: request-rate sweep (Poisson)", ""]
+            out += level_table(c["request_rate"], "requests/s")
+        out.append("")
+    out += ["## In-process ceiling (no server)", "", "| runtime | batch | images/s | p50 ms per batch |",
+            "|---|---|---|---|"]
+    for r in summary["inprocess"]:
+        out.append(f"| {r['runtime']} | {r['batch_size']} | {r['throughput']:.1f} | {r['p50_ms']:.1f} |")
+    ident = summary["identity"]
+    out += ["", f"## Batching-layer ceiling: `identity` (FP32 [16], Python backend, {ident['instances']} "
+            f"instances, dynamic batcher, perf_analyzer {ident['protocol']} {ident['mode']})", "",
+            "| concurrency | infer/s | infer/s per core | p50 ms | p99 ms | avg batch | server CPU |",
+            "|---|---|---|---|---|---|---|"]
+    for r in ident["concurrency"]:
+        cpu = r.get("cpu_utilization")
+        out.append(f"| {r['level']:g} | {r['throughput']:.0f} | {r['throughput'] / machine['cores']:.0f} | "
+                   f"{_ms(r['p50_us'])} | {_ms(r['p99_us'])} | {r['server']['average_batch']:.1f} | "
+                   f"{'n/a' if cpu is None else f'{cpu:.0%}'} |")
+    return "\n".join(out) + "\n"
+
+
+def write_report(run_dir: Path) -> Path:
+    """Read run_dir/summary.json, write the three plots and report.md; return report.md's path."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    plots = {"throughput_vs_p99": "throughput_vs_p99.png", "latency_breakdown": "latency_breakdown.png",
+             "batch_sizes": "batch_sizes.png"}
+    plot_throughput_vs_p99(summary, run_dir / plots["throughput_vs_p99"])
+    plot_latency_breakdown(summary, run_dir / plots["latency_breakdown"])
+    plot_batch_sizes(summary, run_dir / plots["batch_sizes"])
+    report = run_dir / "report.md"
+    report.write_text(markdown(summary, plots))
+    return report

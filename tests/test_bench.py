@@ -1,0 +1,81 @@
+"""The benchmark wrapper: perf_analyzer CSV parsing, the config switch, and a short real perf_analyzer run."""
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import levels_for, served_config
+from bench.perf_analyzer import LoadSpec, command, parse_csv, perf_analyzer_binary, run_level
+from bench.server_stats import model_statistics, statistics_delta
+from client.classifier import TritonClassifierClient
+from export.artifacts import ONNX_MODEL
+from server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_parse_recorded_concurrency_csv():
+    """A real `-f --verbose-csv --collect-metrics` file (throughput config, concurrency 64, no GPU)."""
+    (row,) = parse_csv(DATA / "perf_concurrency.csv")
+    assert row.level == 64 and row.throughput == pytest.approx(41.7681)
+    assert (row.p50_us, row.p90_us, row.p95_us, row.p99_us) == (1396829, 1849414, 2004585, 2619957)
+    assert row.avg_us == 1497729 and row.server_queue_us == 786104 and row.server_compute_infer_us == 700430
+    assert row.server_compute_input_us == 4177 and row.server_compute_output_us == 6190
+    assert row.gpu_utilization is None  # the GPU columns are empty on a CPU-only machine
+
+
+def test_parse_recorded_request_rate_csv():
+    (row,) = parse_csv(DATA / "perf_request_rate.csv")
+    assert row.level == pytest.approx(38.4) and row.throughput == pytest.approx(22.8261)
+    assert row.p99_us == 609373 and row.network_us == 1059
+
+
+def test_parse_rejects_a_csv_without_the_verbose_columns(tmp_path):
+    bad = tmp_path / "short.csv"
+    bad.write_text("Concurrency,Inferences/Second,p50 latency\n1,10,100\n")
+    with pytest.raises(ValueError, match="lacks columns"):
+        parse_csv(bad)
+
+
+def test_command_line_names_the_load_and_the_outputs(tmp_path):
+    load = LoadSpec("request_rate", (30.0,), shared_memory="system", output_shm_bytes=4000)
+    cmd = command(ONNX_MODEL, "127.0.0.1:8001", "grpc", load, 30.0, tmp_path, "http://127.0.0.1:8002/metrics")
+    assert cmd[0] == str(perf_analyzer_binary())
+    joined = " ".join(cmd)
+    for part in ("--request-rate-range 30:30", "--request-distribution poisson", "--verbose-csv",
+                 f"-f {tmp_path / 'perf.csv'}", "--collect-metrics", "--shared-memory system",
+                 "--output-shared-memory-size 4000", "--profile-export-file"):
+        assert part in joined
+
+
+def test_concurrency_levels_stop_at_twice_the_max_batch_and_the_queue():
+    assert levels_for(32, 128, quick=False) == (1, 2, 4, 8, 16, 32, 64)
+    assert levels_for(16, 16, quick=False) == (1, 2, 4, 8, 16)  # the latency config's queue holds 16
+    assert levels_for(16, 64, quick=True) == (1, 32)
+
+
+def test_config_switch_is_what_the_server_loaded(tmp_path):
+    """--model-config-name=throughput really serves configs/throughput.pbtxt (read back from the server)."""
+    config = config_on_free_ports(model_config_name="throughput")
+    with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log"):
+        with TritonClassifierClient(config.http_url, "http") as client:
+            served = served_config(client, ONNX_MODEL)
+            default_of_other_model = client.model_config("resnet18_torchscript")["max_batch_size"]
+    assert served["max_batch_size"] == 32 and served["preferred_batch_size"] == [32]
+    assert served["max_queue_delay_us"] == 100000 and served["max_queue_size"] == 128
+    assert default_of_other_model == 16  # a model without that variant keeps its config.pbtxt
+
+
+def test_short_real_perf_analyzer_run_is_consistent(triton_server, tmp_path):
+    """Concurrency 2 for a few seconds: positive figures, Little's law (throughput x mean latency =
+    requests in flight) within 25%, and the server's statistics saw the same requests."""
+    config = triton_server.config
+    before = model_statistics(config.http_url, ONNX_MODEL)
+    load = LoadSpec("concurrency", (2,), request_count=60)
+    row = run_level(ONNX_MODEL, config.grpc_url, "grpc", load, 2, tmp_path, metrics_url=config.metrics_url)
+    delta = statistics_delta(before, model_statistics(config.http_url, ONNX_MODEL))
+    assert row.throughput > 0 and 0 < row.p50_us <= row.p90_us <= row.p99_us
+    assert row.throughput * row.avg_us / 1e6 == pytest.approx(2, rel=0.25)
+    assert delta["inference_count"] >= 60 and delta["execution_count"] >= 1
+    assert delta["inference_count"] == sum(size * count for size, count in delta["batch_executions"].items())
+    assert (tmp_path / "perf.csv").exists() and (tmp_path / "command.txt").read_text().startswith(
+        str(perf_analyzer_binary()))
