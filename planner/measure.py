@@ -1,0 +1,196 @@
+"""Measure a profile through the real server: perf_analyzer at fixed batch sizes (`-b`).
+
+How, and why this way rather than from the per-batch-size statistics of a loaded run:
+  * the model is served from a scratch repository (`<out>/repository`, the version folder linked, the
+    config derived from the model's config.pbtxt) with NO dynamic batcher and max_batch_size = the
+    largest size to measure: every request of `-b B` is then exactly one execution of batch B, whereas
+    a batcher would merge requests into sizes the profile did not ask for, and a loaded run only yields
+    the sizes the batcher happened to form;
+  * `perf_analyzer -b B --concurrency-range 2n` keeps every one of the n instances busy with one
+    request waiting behind it, so an execution starts as soon as the previous one ends, as under load.
+    The execution time per batch is then the instance's cycle time n x B / throughput: it includes what
+    the server spends per execution outside the model (stub round trip, response sending), which the
+    statistics extension's compute times leave out (both are recorded);
+  * the standard deviation of a batch's time is that of the gaps between consecutive responses
+    (profile export) with one instance; with n > 1 it is the one-instance coefficient of variation
+    times the mean (stated in the profile's source);
+  * the fixed per-request overhead is the median latency of lone batch-1 requests (concurrency 1)
+    minus the batch-1 execution time: client, protocol and server front end.
+The server ceiling (requests/s through protocol and batcher whatever the model) is not measured here:
+it comes from the trivial-model run of `python -m bench` (results/bench-*/summary.json), see
+`server_ceiling_from_bench`.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from bench.machine import machine_info
+from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, command, parse_csv
+from bench.server_stats import model_statistics, statistics_delta
+from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
+from planner.batcher import BatcherConfig
+from planner.pbtxt import load_config, planned_config, write_config
+from planner.profile import BatchTiming, Profile
+from server.embedded import EmbeddedTritonServer, config_on_free_ports, library_path
+
+_DTYPE_BYTES = {"TYPE_FP32": 4, "TYPE_FP16": 2, "TYPE_FP64": 8, "TYPE_INT32": 4, "TYPE_INT64": 8,
+                "TYPE_UINT8": 1, "TYPE_INT8": 1, "TYPE_BOOL": 1}
+
+
+def output_row_bytes(config) -> int:
+    """Bytes of the largest output tensor per batch row (perf_analyzer's --output-shared-memory-size
+    is per output tensor: this times the batch size)."""
+    from tritonclient.grpc import model_config_pb2
+
+    sizes = [int(np.prod(list(o.dims))) * _DTYPE_BYTES.get(model_config_pb2.DataType.Name(o.data_type), 4)
+             for o in config.output]
+    return max(sizes) if sizes else 0
+
+
+def instance_parameters(base_parameters: dict[str, str], instances: int) -> dict[str, str]:
+    """Per-instance-count parameters: with an `intra_op_threads` parameter (ONNX Runtime in this
+    repository), n instances get cores // n threads each, so they do not oversubscribe the cores
+    (onnxruntime_backend issue 34); one instance keeps the config's value."""
+    if "intra_op_threads" in base_parameters and instances > 1:
+        return {"intra_op_threads": str(max(1, (os.cpu_count() or 1) // instances))}
+    return {}
+
+
+def scratch_repository(model: str, out_dir: Path, max_batch: int, instances: int,
+                       source_repository: Path = MODEL_REPOSITORY) -> tuple[Path, dict[str, str]]:
+    """A model repository holding only `model`, without dynamic batching, with `instances` instances
+    and max_batch_size `max_batch`; the version folder is a link to the real one. Returns (repository
+    path, the per-instance parameters used)."""
+    base = load_config(source_repository / model / "config.pbtxt")
+    params = instance_parameters({k: v.string_value for k, v in base.parameters.items()}, instances)
+    config = planned_config(base, BatcherConfig(max_batch_size=max_batch, dynamic_batching=False), instances,
+                            params)
+    del config.model_warmup[:]  # measured runs warm it up; keeps start-up short
+    repository = out_dir / "repository"
+    model_dir = repository / model
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for version in (source_repository / model).iterdir():
+        if version.is_dir() and version.name.isdigit() and not (model_dir / version.name).exists():
+            (model_dir / version.name).symlink_to(version.resolve())
+    write_config(config, model_dir / "config.pbtxt",
+                 header=f"{model}: profile-measurement copy (python -m planner profile), no dynamic batcher")
+    return repository, params
+
+
+def run_fixed_batch(url: str, model: str, batch: int, concurrency: int, requests: int, out_dir: Path,
+                    row_bytes: int, timeout_s: float = 600.0) -> dict:
+    """One perf_analyzer run: `requests` requests of batch `batch` at `concurrency`, over gRPC with
+    system shared memory. Returns the PerfRow fields plus the response times (s) of the profile export."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    load = LoadSpec("concurrency", (concurrency,), shared_memory="system",
+                    output_shm_bytes=row_bytes * batch, request_count=requests)
+    cmd = command(model, url, "grpc", load, concurrency, out_dir, count=requests) + ["-b", str(batch)]
+    (out_dir / "profile.json").unlink(missing_ok=True)
+    (out_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    with open(out_dir / "perf_analyzer.log", "w") as log:
+        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                env=dict(os.environ, LD_LIBRARY_PATH=library_path()))
+    if result.returncode != 0:
+        tail = "\n".join((out_dir / "perf_analyzer.log").read_text().splitlines()[-8:])
+        raise PerfAnalyzerError(f"perf_analyzer -b {batch} exited {result.returncode}:\n{tail}")
+    (row,) = parse_csv(out_dir / "perf.csv")
+    record = asdict(row)
+    sends, responses = [], []
+    data = json.loads((out_dir / "profile.json").read_text() or '{"experiments": []}')
+    for experiment in data["experiments"]:
+        for r in experiment["requests"]:
+            if r.get("response_timestamps"):
+                sends.append(r["timestamp"] / 1e9)
+                responses.append(r["response_timestamps"][0] / 1e9)
+    record["latencies_s"] = sorted(np.subtract(responses, sends).tolist())
+    record["responses_s"] = sorted(responses)
+    return record
+
+
+def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: tuple[int, ...], out_dir: Path,
+                    executions: int = 12, server_ceiling_rps: float = 0.0,
+                    source_repository: Path = MODEL_REPOSITORY, progress=print) -> Profile:
+    """Measure `model`'s profile for each instance count (one server start each) and batch size.
+
+    executions: back-to-back executions measured per instance and batch size (after 2 discarded).
+    Writes perf_analyzer's files under out_dir/<instances>x/b<B>/ and returns the Profile.
+    """
+    started = datetime.datetime.now(datetime.timezone.utc)
+    row_bytes = output_row_bytes(load_config(source_repository / model / "config.pbtxt"))
+    timings: dict[int, dict[int, BatchTiming]] = {}
+    details: dict = {"runs": {}, "instance_parameters": {}}
+    overhead_us = 0.0
+    for instances in instance_counts:
+        level_dir = out_dir / f"{instances}x"
+        repository, params = scratch_repository(model, level_dir, max(batch_sizes), instances, source_repository)
+        details["instance_parameters"][str(instances)] = params
+        server_config = config_on_free_ports(model_repository=repository)
+        progress(f"profile: {instances} instance(s): starting tritonserver")
+        with EmbeddedTritonServer(server_config, log_path=level_dir / "tritonserver.log") as server:
+            url, http = server.config.grpc_url, server.config.http_url
+            timings[instances] = {}
+            for batch in batch_sizes:
+                concurrency = 2 * instances
+                requests = instances * (executions + 2)
+                before = model_statistics(http, model)
+                began = time.monotonic()
+                record = run_fixed_batch(url, model, batch, concurrency, requests, level_dir / f"b{batch}", row_bytes)
+                stats = statistics_delta(before, model_statistics(http, model))
+                cycle_s = instances * batch / record["throughput"]
+                gaps = np.diff(record["responses_s"])[2:]  # skip the start-up responses
+                std_s = float(np.std(gaps)) if instances == 1 and gaps.size > 2 else float("nan")
+                timings[instances][batch] = BatchTiming(cycle_s * 1e3, std_s * 1e3, stats["execution_count"])
+                server_exec_ms = (stats["compute_input_us"] + stats["compute_infer_us"]
+                                  + stats["compute_output_us"]) / 1e3
+                details["runs"][f"{instances}x/b{batch}"] = {
+                    "throughput": record["throughput"], "cycle_ms": cycle_s * 1e3, "std_ms": std_s * 1e3,
+                    "server_compute_ms": server_exec_ms, "batch_executions": stats["batch_executions"],
+                    "p50_ms": record["p50_us"] / 1e3, "wall_s": time.monotonic() - began}
+                progress(f"profile: {instances} instance(s), batch {batch}: cycle {cycle_s * 1e3:.1f} ms "
+                         f"(server compute {server_exec_ms:.1f} ms), {record['throughput']:.1f} infer/s")
+            if instances == min(instance_counts):
+                record = run_fixed_batch(url, model, 1, 1, max(40, executions), level_dir / "lone", row_bytes)
+                lone_ms = float(np.median(record["latencies_s"])) * 1e3
+                overhead_us = max(0.0, (lone_ms - timings[instances][1].mean_ms) * 1e3) if 1 in timings[
+                    instances] else 0.0
+                details["lone_request_p50_ms"] = lone_ms
+                progress(f"profile: lone batch-1 request p50 {lone_ms:.1f} ms -> overhead {overhead_us:.0f} us")
+    # Standard deviation where it could not be measured: the one-instance coefficient of variation.
+    one = timings.get(1, {})
+    cvs = [t.std_ms / t.mean_ms for t in one.values() if t.std_ms == t.std_ms and t.mean_ms > 0]
+    cv = float(np.median(cvs)) if cvs else 0.0
+    for instances, by_batch in timings.items():
+        for batch, t in by_batch.items():
+            if t.std_ms != t.std_ms:
+                by_batch[batch] = BatchTiming(t.mean_ms, cv * t.mean_ms, t.executions)
+    machine = machine_info("2.51.0")
+    profile = Profile(
+        model=model, timings=timings, overhead_us=overhead_us, server_ceiling_rps=server_ceiling_rps,
+        device=f"{machine['cpu']} ({machine['cores']} cores), {machine['gpu'] or 'no GPU'}",
+        source=("perf_analyzer -b B at concurrency 2 x instances against a no-batcher copy of the config "
+                "(planner/measure.py); exec = instances x B / throughput; std from response gaps "
+                f"(1 instance; others: CV {cv:.3f} x mean); overhead = lone batch-1 p50 - exec(1)"),
+        measured_utc=started.isoformat(timespec="seconds"), extra=details)
+    return profile
+
+
+def server_ceiling_from_bench(results_dir: Path = REPO_ROOT / "results") -> tuple[float, str]:
+    """The trivial-model ceiling (infer/s) of the newest results/bench-*/summary.json that has one,
+    and the file it came from; (0.0, "") when there is none."""
+    for summary in sorted(results_dir.glob("bench-*/summary.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            data = json.loads(summary.read_text())
+            rows = data["identity"]["concurrency"]
+        except (ValueError, KeyError):
+            continue
+        if rows:
+            return max(r["throughput"] for r in rows), str(summary.relative_to(results_dir.parent))
+    return 0.0, ""

@@ -1,0 +1,213 @@
+"""Validation: the simulation's prediction against perf_analyzer on the embedded tritonserver.
+
+For each config (config.pbtxt as "default", or configs/<name>.pbtxt) the server is started with
+`--model-config-name` and Triton's request trace on (TIMESTAMPS, every request), and for each fraction
+of the config's capacity (from the profile measured in the same run: max over b <= max_batch_size of
+b / exec(b)) perf_analyzer sends a fixed count of requests with Poisson arrivals, open loop (--async,
+so a slow response never holds the next request back). Recorded per level:
+  * measured: perf_analyzer's throughput and p50/p99 (all requests of the level), its warning when it
+    could not keep the rate, the statistics extension's delta (batches formed, mean queue time);
+  * from the trace: every request's queue time, and for each the part of it spent while no execution
+    was running (the instance idle with requests waiting: the documented batcher never does that
+    longer than max_queue_delay);
+  * predicted: `simulate` with Poisson arrivals at the level's rate (20,000 requests), the config's
+    batcher, the profile; and again on the exact send times perf_analyzer used (replayed trace).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from bench.perf_analyzer import LoadSpec, run_level
+from bench.server_stats import model_statistics, statistics_delta
+from export.artifacts import MODEL_REPOSITORY
+from planner.arrivals import Poisson
+from planner.pbtxt import batcher_from_config, instance_count, load_config
+from planner.profile import Profile
+from planner.search import device_capacity_rps
+from planner.simulator import LostWakeup, simulate
+from server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+LOGITS_BYTES = 1000 * 4
+#: Pause between levels, so the trace can be split into levels by the gaps in its queue times.
+LEVEL_GAP_S = 3.0
+
+
+def cpu_steal_ticks() -> tuple[int, int]:
+    """(steal, total) clock ticks of all cores so far (/proc/stat): the hypervisor's share is noise."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def config_path(model: str, name: str) -> Path:
+    return MODEL_REPOSITORY / model / ("config.pbtxt" if name == "default" else f"configs/{name}.pbtxt")
+
+
+def trace_args(trace_file: Path) -> tuple[str, ...]:
+    """tritonserver flags tracing every request's timestamps into trace_file.<n> (500 per file)."""
+    return (f"--trace-config=triton,file={trace_file}", "--trace-config=triton,log-frequency=500",
+            "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS", "--trace-config=count=-1")
+
+
+def read_traces(trace_file: Path, model: str) -> list[dict[str, int]]:
+    """Every traced request of `model`: {timestamp name: ns}, merged by trace id, sorted by QUEUE_START."""
+    merged: dict[int, dict] = {}
+    for path in sorted(trace_file.parent.glob(trace_file.name + "*")):
+        text = path.read_text().strip()
+        if not text:
+            continue
+        for entry in json.loads(text):
+            record = merged.setdefault(entry["id"], {})
+            if "model_name" in entry:
+                record["model"] = entry["model_name"]
+            for stamp in entry.get("timestamps", []):
+                record[stamp["name"]] = int(stamp["ns"])
+    requests = [r for r in merged.values() if r.get("model") == model and "QUEUE_START" in r and "COMPUTE_START" in r]
+    return sorted(requests, key=lambda r: r["QUEUE_START"])
+
+
+def split_levels(requests: list[dict], levels: int) -> list[list[dict]]:
+    """Cut the time-sorted traced requests at the `levels - 1` largest gaps between arrivals."""
+    if levels <= 1 or len(requests) < levels:
+        return [requests]
+    starts = np.array([r["QUEUE_START"] for r in requests])
+    cuts = sorted(np.argsort(np.diff(starts))[-(levels - 1):] + 1)
+    return [requests[a:b] for a, b in zip([0, *cuts], [*cuts, len(requests)])]
+
+
+def trace_summary(requests: list[dict], stall_threshold_s: float = 0.4) -> dict:
+    """Queue-time distribution of one level's traced requests, and the idle-instance part of each wait.
+
+    idle wait: the part of a request's queue time during which no execution was running (computed from
+    the executions' COMPUTE_START..COMPUTE_END intervals; exact with one instance).
+    """
+    if not requests:
+        return {}
+    queue_s = np.array([(r["COMPUTE_START"] - r["QUEUE_START"]) / 1e9 for r in requests])
+    executions = sorted({(r["COMPUTE_START"], r.get("COMPUTE_END", r["COMPUTE_START"])) for r in requests})
+    starts = np.array([e[0] for e in executions]) / 1e9
+    ends = np.array([e[1] for e in executions]) / 1e9
+    idle_s = []
+    for r in requests:
+        a, b = r["QUEUE_START"] / 1e9, r["COMPUTE_START"] / 1e9
+        busy = np.clip(np.minimum(ends, b) - np.maximum(starts, a), 0, None).sum()
+        idle_s.append(max(0.0, (b - a) - busy))
+    idle_s = np.array(idle_s)
+    batch_sizes = np.unique([r["COMPUTE_START"] for r in requests], return_counts=True)[1]
+    return {
+        "requests": len(requests), "executions": len(executions),
+        "average_batch": float(batch_sizes.mean()),
+        "queue_p50_ms": float(np.percentile(queue_s, 50) * 1e3),
+        "queue_p99_ms": float(np.percentile(queue_s, 99) * 1e3),
+        "queue_max_ms": float(queue_s.max() * 1e3),
+        "stalled": int((queue_s > stall_threshold_s).sum()),
+        "stalled_idle": int((idle_s > stall_threshold_s).sum()),
+        "idle_wait_p99_ms": float(np.percentile(idle_s, 99) * 1e3),
+        "queue_hist_ms": np.histogram(queue_s * 1e3, bins=[0, 5, 10, 25, 50, 100, 200, 400, 600, 1000, 1e9])[0].tolist(),
+    }
+
+
+def send_times_s(profile_json: Path) -> np.ndarray:
+    """The send timestamps (s, from the first) of every request in a perf_analyzer profile export."""
+    text = profile_json.read_text() if profile_json.exists() else ""
+    if not text.strip():
+        return np.array([])
+    stamps = sorted(r["timestamp"] for e in json.loads(text)["experiments"] for r in e["requests"])
+    return (np.array(stamps, dtype=float) - stamps[0]) / 1e9 if stamps else np.array([])
+
+
+def predict(rate_rps: float, batcher, profile: Profile, instances: int, requests: int = 20000, seed: int = 1,
+            arrivals_s: np.ndarray | None = None, lost_wakeup: LostWakeup | None = None) -> dict:
+    """The simulation's figures for one level: Poisson at rate_rps, or the given arrival times."""
+    if arrivals_s is None:
+        arrivals_s = Poisson(rate_rps).arrivals(requests, 1, "random", np.random.default_rng(seed))
+        warmup = 0.1
+    else:
+        warmup = 0.0  # perf_analyzer's figures cover every request of the level
+    result = simulate(arrivals_s, batcher, profile, instances, seed=seed, warmup_fraction=warmup,
+                      lost_wakeup=lost_wakeup)
+    return {**result.summary(), "queue_p99_ms": float(np.percentile(result.queue_s, 99) * 1e3)
+            if result.queue_s.size else 0.0}
+
+
+def validate_config(model: str, name: str, profile: Profile, fractions: tuple[float, ...], out_dir: Path,
+                    requests_per_level: int, min_level_s: float, progress=print) -> list[dict]:
+    """Run every fraction of one config's capacity; return one row per level (see module doc)."""
+    config = load_config(config_path(model, name))
+    batcher, instances = batcher_from_config(config), instance_count(config)
+    capacity = device_capacity_rps(profile, batcher, instances)
+    out = out_dir / name
+    out.mkdir(parents=True, exist_ok=True)
+    trace_file = out / "trace.json"
+    server_config = config_on_free_ports(model_config_name=None if name == "default" else name,
+                                         extra_args=trace_args(trace_file))
+    rows = []
+    progress(f"validate {name}: capacity {capacity:.1f} infer/s ({batcher.describe()}, {instances} instance(s))")
+    with EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log") as server:
+        http, grpc = server.config.http_url, server.config.grpc_url
+        for fraction in fractions:
+            rate = round(fraction * capacity, 2)
+            count = max(requests_per_level, int(rate * min_level_s))
+            load = LoadSpec("request_rate", (rate,), shared_memory="system", output_shm_bytes=LOGITS_BYTES,
+                            request_count=count, async_mode=True)
+            level_dir = out / f"rate-{rate:g}"
+            before = model_statistics(http, model)
+            began, (steal_a, total_a) = time.monotonic(), cpu_steal_ticks()
+            row = run_level(model, grpc, "grpc", load, rate, level_dir)
+            wall_s, (steal_b, total_b) = time.monotonic() - began, cpu_steal_ticks()
+            stats = statistics_delta(before, model_statistics(http, model))
+            log = (level_dir / "perf_analyzer.log").read_text()
+            delayed = next((line.strip() for line in log.splitlines() if "not able to keep up" in line), "")
+            rows.append({"config": name, "fraction": fraction, "rate_rps": rate, "capacity_rps": capacity,
+                         "requests": count, "wall_s": wall_s, "measured": asdict(row), "server": stats,
+                         "cpu_steal": (steal_b - steal_a) / max(1, total_b - total_a),
+                         "perf_analyzer_delayed": delayed, "batcher": batcher.describe(),
+                         "instances": instances, "level_dir": str(level_dir)})
+            progress(f"  {fraction:.0%} = {rate:g} req/s: {row.throughput:.1f} infer/s, p50 "
+                     f"{row.p50_us / 1e3:.1f} ms, p99 {row.p99_us / 1e3:.1f} ms, batch {stats['average_batch']:.2f}"
+                     f"{'  [' + delayed + ']' if delayed else ''}")
+            time.sleep(LEVEL_GAP_S)
+    traced = split_levels(read_traces(trace_file, model), len(fractions))
+    for row, level in zip(rows, traced if len(traced) == len(rows) else [[]] * len(rows)):
+        row["trace"] = trace_summary(level)
+    for row in rows:
+        row["predicted"] = predict(row["rate_rps"], batcher, profile, instances)
+        sends = send_times_s(Path(row["level_dir"]) / "profile.json")
+        row["predicted_replay"] = predict(row["rate_rps"], batcher, profile, instances, arrivals_s=sends) \
+            if sends.size > 10 else {}
+    return rows
+
+
+def errors(row: dict, key: str = "predicted") -> dict:
+    """Relative error of the prediction vs the measurement: throughput, p50, p99 (fractions, signed)."""
+    m, p = row["measured"], row[key]
+    if not p:
+        return {}
+    return {"throughput": p["throughput_rps"] / m["throughput"] - 1,
+            "p50": p["p50_ms"] / (m["p50_us"] / 1e3) - 1, "p99": p["p99_ms"] / (m["p99_us"] / 1e3) - 1}
+
+
+def format_table(rows: list[dict]) -> str:
+    """The validation table (Markdown)."""
+    lines = ["| config | load | rate req/s | throughput meas / pred | p50 ms meas / pred | p99 ms meas / pred "
+             "| p99 pred (replayed sends) | batch meas / pred | queue >400 ms (idle instance) | within target |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        m, p, r = row["measured"], row["predicted"], row.get("predicted_replay") or {}
+        e = errors(row)
+        ok = abs(e["throughput"]) <= 0.10 and abs(e["p99"]) <= 0.25
+        trace = row.get("trace") or {}
+        lines.append(
+            f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} "
+            f"| {m['throughput']:.1f} / {p['throughput_rps']:.1f} ({e['throughput']:+.0%}) "
+            f"| {m['p50_us'] / 1e3:.1f} / {p['p50_ms']:.1f} ({e['p50']:+.0%}) "
+            f"| {m['p99_us'] / 1e3:.1f} / {p['p99_ms']:.1f} ({e['p99']:+.0%}) "
+            f"| {r.get('p99_ms', float('nan')):.1f} "
+            f"| {row['server']['average_batch']:.2f} / {p['average_batch']:.2f} "
+            f"| {trace.get('stalled', '?')} ({trace.get('stalled_idle', '?')}) of {trace.get('requests', '?')} "
+            f"| {'yes' if ok else 'NO'} |")
+    return "\n".join(lines)

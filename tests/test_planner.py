@@ -1,0 +1,265 @@
+"""The capacity planner (planner/): Triton's batching rules on hand-built queues, the simulator's queue
+policy and timing, the worked example, profiles, arrivals and config writing. No server needed."""
+from __future__ import annotations
+
+import json
+from collections import deque
+
+import numpy as np
+import pytest
+
+from planner.__main__ import main as planner_main
+from planner.arrivals import Bursty, Poisson, Trace
+from planner.batcher import BatcherConfig, QueuePolicy, Request, form_batch
+from planner.pbtxt import batcher_from_config, instance_count, load_config, planned_config, write_config
+from planner.profile import BatchTiming, Profile, constant_profile
+from planner.search import SearchSpace, Slo, capacity_bound, plan
+from planner.simulator import LostWakeup, simulate
+from export.artifacts import MODEL_REPOSITORY
+
+
+def queue_of(arrivals_s, sizes=None, deadlines_s=None) -> deque:
+    sizes = sizes or [1] * len(arrivals_s)
+    deadlines_s = deadlines_s or [float("inf")] * len(arrivals_s)
+    return deque(Request(i, t, s, d) for i, (t, s, d) in enumerate(zip(arrivals_s, sizes, deadlines_s)))
+
+
+DEFAULT_LIKE = BatcherConfig(max_batch_size=16, preferred_batch_sizes=(8, 16), max_queue_delay_us=5000)
+
+
+# -- Triton's batch formation (GetDynamicBatch), on hand-built queues -----------------------------------
+
+def test_largest_reachable_preferred_size_goes_out_at_once():
+    assert form_batch(queue_of([0.0] * 10), 0.001, DEFAULT_LIKE).count == 8
+    assert form_batch(queue_of([0.0] * 20), 0.001, DEFAULT_LIKE).count == 16
+
+
+def test_below_preferred_waits_until_oldest_request_has_waited_the_delay():
+    decision = form_batch(queue_of([0.0, 0.001, 0.002]), 0.003, DEFAULT_LIKE)
+    assert decision.count == 0 and decision.wake_s == pytest.approx(0.005)
+    assert form_batch(queue_of([0.0, 0.001, 0.002]), 0.005, DEFAULT_LIKE).count == 3
+
+
+def test_delay_exceeded_sends_the_whole_pending_batch_not_just_the_preferred_size():
+    assert form_batch(queue_of([0.0] * 10), 0.006, DEFAULT_LIKE).count == 10
+    assert form_batch(queue_of([0.0] * 20), 0.006, DEFAULT_LIKE).count == 16  # capped by max_batch_size
+
+
+def test_zero_delay_sends_whatever_is_queued():
+    config = BatcherConfig(max_batch_size=16, preferred_batch_sizes=(8, 16), max_queue_delay_us=0)
+    assert form_batch(queue_of([0.0] * 5), 0.0, config).count == 5
+
+
+def test_no_preferred_sizes_means_max_batch_size():
+    config = BatcherConfig(max_batch_size=4, max_queue_delay_us=1000)
+    assert config.preferred == (4,)
+    assert form_batch(queue_of([0.0] * 7), 0.0, config).count == 4
+    assert form_batch(queue_of([0.0] * 3), 0.0, config).wake_s == pytest.approx(0.001)
+
+
+def test_request_that_would_pass_the_largest_preferred_size_closes_the_batch():
+    # Requests of 3 inferences, preferred [4], max 8: 3 + 3 > 4, so the best batch is the first request.
+    config = BatcherConfig(max_batch_size=8, preferred_batch_sizes=(4,), max_queue_delay_us=1000)
+    assert form_batch(queue_of([0.0, 0.0], sizes=[3, 3]), 0.0, config).count == 1
+    # Once the delay is exceeded the pending batch goes whole (6 <= max_batch_size 8).
+    assert form_batch(queue_of([0.0, 0.0], sizes=[3, 3]), 0.002, config).count == 2
+
+
+def test_timed_out_requests_are_rejected_when_the_scan_reaches_them():
+    queue = queue_of([0.0, 0.0, 0.0], deadlines_s=[0.5, 2.0, 0.5])
+    decision = form_batch(queue, 1.0, BatcherConfig(max_batch_size=4))
+    assert [r.index for r in decision.rejected] == [0, 2]
+    assert decision.count == 1 and queue[0].index == 1
+
+
+def test_closest_timeout_wakes_the_batcher_before_the_delay():
+    config = BatcherConfig(max_batch_size=8, max_queue_delay_us=100_000)
+    decision = form_batch(queue_of([0.0, 0.0], deadlines_s=[float("inf"), 0.03]), 0.01, config)
+    assert decision.count == 0 and decision.wake_s == pytest.approx(0.03)
+
+
+# -- the simulator: queue policy, timeouts, instances, timing ---------------------------------------------
+
+ONE_SECOND = constant_profile(1000.0, 16)
+
+
+def test_queue_full_refuses_at_once():
+    config = BatcherConfig(max_batch_size=4, queue=QueuePolicy(max_queue_size=4))
+    result = simulate(np.arange(10) * 0.001, config, ONE_SECOND, warmup_fraction=0.0)
+    # The first request runs at once (alone); 4 wait; the other 5 find the queue full.
+    assert (result.refused, result.completed) == (5, 5)
+    assert result.batches == {1: 1, 4: 1}
+
+
+def test_default_timeout_rejects_requests_still_queued():
+    config = BatcherConfig(max_batch_size=1, queue=QueuePolicy(default_timeout_us=500_000))
+    result = simulate(np.array([0.0, 0.1, 0.2]), config, ONE_SECOND, warmup_fraction=0.0)
+    assert (result.completed, result.timed_out) == (1, 2)
+
+
+def test_timeout_override_only_shortens():
+    config = BatcherConfig(max_batch_size=1, queue=QueuePolicy(default_timeout_us=5_000_000,
+                                                               allow_timeout_override=True))
+    result = simulate(np.array([0.0, 0.1, 0.2]), config, ONE_SECOND, warmup_fraction=0.0,
+                      timeouts_us=np.array([0, 300_000, 60_000_000]))
+    assert (result.completed, result.timed_out) == (2, 1)  # 60 s asked: the default 5 s stays
+
+
+def test_batch_forms_at_the_preferred_size_and_a_lone_request_waits_the_delay():
+    profile = constant_profile(50.0, 4)
+    config = BatcherConfig(max_batch_size=4, max_queue_delay_us=10_000)
+    result = simulate(np.array([0.0, 0.001, 0.002, 0.003, 0.2]), config, profile, warmup_fraction=0.0,
+                      exec_noise=False)
+    assert result.batches == {1: 1, 4: 1}
+    assert sorted(np.round(result.latencies_s * 1e3, 3)) == [50.0, 51.0, 52.0, 53.0, 60.0]
+
+
+def test_no_dynamic_batching_runs_each_request_alone_on_any_free_instance():
+    profile = Profile("m", {2: {1: BatchTiming(100.0), 8: BatchTiming(400.0)}})
+    config = BatcherConfig(max_batch_size=8, dynamic_batching=False)
+    result = simulate(np.array([0.0, 0.0, 0.0]), config, profile, instances=2, warmup_fraction=0.0,
+                      exec_noise=False)
+    assert result.batches == {1: 3}
+    assert sorted(np.round(result.latencies_s * 1e3)) == [100, 100, 200]
+
+
+def test_md1_queue_matches_pollaczek_khinchine():
+    # One instance, no batching, deterministic 10 ms service, Poisson at 50/s (rho 0.5):
+    # mean wait = rho x s / (2 (1 - rho)) = 5 ms.
+    profile = constant_profile(10.0, 1)
+    arrivals = Poisson(50.0).arrivals(60000, rng=np.random.default_rng(3))
+    result = simulate(arrivals, BatcherConfig(max_batch_size=1, dynamic_batching=False), profile)
+    assert result.queue_s.mean() * 1e3 == pytest.approx(5.0, rel=0.08)
+    assert result.utilization == pytest.approx(0.5, abs=0.02)
+
+
+def test_overhead_is_added_to_every_latency():
+    profile = constant_profile(10.0, 1, overhead_us=700.0)
+    result = simulate(np.array([0.0, 1.0]), BatcherConfig(max_batch_size=1), profile, warmup_fraction=0.0)
+    assert np.allclose(result.latencies_s, 0.0107)
+
+
+def test_lost_wakeup_model_holds_a_lone_request_until_the_batchers_timed_wait_ends():
+    profile = constant_profile(10.0, 1)
+    config = BatcherConfig(max_batch_size=1)
+    normal = simulate(np.array([0.3]), config, profile, warmup_fraction=0.0)
+    stalled = simulate(np.array([0.3]), config, profile, warmup_fraction=0.0, lost_wakeup=LostWakeup(1.0))
+    assert normal.latencies_s[0] == pytest.approx(0.010)
+    assert stalled.latencies_s[0] == pytest.approx(0.5 - 0.3 + 0.010)  # asleep since t=0, wakes at 0.5 s
+    assert stalled.stalls == 1
+
+
+# -- the worked example -----------------------------------------------------------------------------------
+
+def test_worked_example_no_batching_2000_devices_batching_about_20():
+    """20,000 QPS, a device running any batch of up to 100 in 100 ms, p99 <= 500 ms."""
+    profile = constant_profile(100.0, 100)
+    result = plan(20000.0, Slo(99, 500.0), profile, SearchSpace(requests=12000))
+    assert result.no_batching.devices_at_full_load == 2000
+    assert 2000 <= result.no_batching.devices <= 2010  # a queue needs load strictly below capacity
+    assert result.no_batching.result.percentile_ms(99) <= 500.0
+    best = result.best
+    assert best.batcher.dynamic_batching and best.batcher.max_batch_size == 100
+    assert best.devices_at_full_load == 20 and 20 <= best.devices <= 22
+    assert best.result.percentile_ms(99) <= 500.0 and best.result.average_batch > 90
+    # The planner says which queue delay it picked: one of the candidates, small enough for the budget.
+    assert best.batcher.max_queue_delay_us in {int(f * 100_000) for f in SearchSpace().delay_fractions}
+    assert best.batcher.max_queue_delay_us / 1000 + 100 <= 500
+
+
+def test_worked_example_random_balancer_costs_unbatched_serving_far_more():
+    profile = constant_profile(100.0, 100)
+    result = plan(20000.0, Slo(99, 500.0), profile,
+                  SearchSpace(requests=12000, balancer="random", delay_fractions=(0.0,)))
+    assert result.no_batching.devices > 2400  # Poisson arrivals per device: M/D/1 needs headroom
+    assert result.best.devices <= 22          # a batching device absorbs the same noise
+
+
+def test_capacity_bound_is_strictly_below_full_load():
+    assert capacity_bound(20000, 1000) == 21
+    assert capacity_bound(20500, 1000) == 21
+    assert capacity_bound(20000, 1000, max_utilization=0.5) == 41
+
+
+# -- profiles, arrivals, configs --------------------------------------------------------------------------
+
+def test_profile_round_trips_and_interpolates(tmp_path):
+    profile = Profile("m", {1: {1: BatchTiming(20.0, 2.0), 8: BatchTiming(90.0, 5.0)}}, overhead_us=800.0,
+                      server_ceiling_rps=5000.0)
+    loaded = Profile.load(profile.save(tmp_path / "p.json"))
+    assert loaded.to_json() == profile.to_json()
+    assert loaded.timing(4, 1).mean_ms == pytest.approx(50.0)
+    assert loaded.device_throughput(8, 1) == pytest.approx(8 / 0.09)
+    with pytest.raises(ValueError):
+        loaded.timing(9, 1)
+    with pytest.raises(ValueError):
+        Profile.from_json({**json.loads((tmp_path / "p.json").read_text()), "format": "other"})
+
+
+def test_round_robin_split_gives_each_replica_its_share_and_smooths_it():
+    times = Poisson(1000.0).arrivals(20000, replicas=100, balancer="round_robin", rng=np.random.default_rng(0))
+    gaps = np.diff(times)
+    assert gaps.mean() == pytest.approx(0.1, rel=0.02)
+    assert gaps.std() / gaps.mean() == pytest.approx(0.1, rel=0.1)  # Gamma(100): CV = 1/sqrt(100)
+    random = Poisson(1000.0).arrivals(20000, replicas=100, balancer="random", rng=np.random.default_rng(0))
+    assert np.diff(random).std() / np.diff(random).mean() == pytest.approx(1.0, rel=0.05)
+
+
+def test_bursty_keeps_the_mean_rate_and_is_burstier_than_poisson():
+    times = Bursty(100.0, burst_factor=4.0, burst_fraction=0.2, burst_s=1.0).arrivals(
+        60000, rng=np.random.default_rng(1))
+    assert len(times) / times[-1] == pytest.approx(100.0, rel=0.1)
+    counts = np.histogram(times, bins=np.arange(0, times[-1], 1.0))[0]
+    assert counts.var() / counts.mean() > 5  # Poisson counts have variance = mean
+
+
+def test_trace_loads_text_and_perf_analyzer_export(tmp_path):
+    (tmp_path / "t.txt").write_text("# seconds\n10.0\n10.5\n11.0, extra\n12.0\n")
+    trace = Trace.load(tmp_path / "t.txt")
+    assert trace.times_s.tolist() == [0.0, 0.5, 1.0, 2.0]
+    assert trace.scaled_to(3.0).rate_rps == pytest.approx(3.0)
+    export = {"experiments": [{"requests": [{"timestamp": int(t * 1e9), "response_timestamps": []}
+                                            for t in (5.0, 5.25, 5.5)]}]}
+    (tmp_path / "p.json").write_text(json.dumps(export))
+    assert Trace.load(tmp_path / "p.json").times_s.tolist() == [0.0, 0.25, 0.5]
+    assert len(trace.arrivals(10, replicas=2)) == 10  # replayed as often as needed
+
+
+def test_batcher_read_from_the_repositorys_configs():
+    base = load_config(MODEL_REPOSITORY / "resnet18_onnx" / "config.pbtxt")
+    assert batcher_from_config(base) == BatcherConfig(16, True, (8, 16), 5000, QueuePolicy(64, 0, True))
+    throughput = batcher_from_config(load_config(MODEL_REPOSITORY / "resnet18_onnx/configs/throughput.pbtxt"))
+    assert (throughput.max_batch_size, throughput.preferred, throughput.max_queue_delay_us) == (32, (32,), 100_000)
+    assert not batcher_from_config(load_config(MODEL_REPOSITORY / "resnet18_onnx/configs/no_batching.pbtxt")
+                                   ).dynamic_batching
+    assert instance_count(base) == 1
+
+
+def test_planned_config_is_the_base_config_with_the_plan_and_parses_back(tmp_path):
+    base = load_config(MODEL_REPOSITORY / "resnet18_onnx" / "config.pbtxt")
+    batcher = BatcherConfig(8, max_queue_delay_us=20_000, queue=QueuePolicy(48, 0, True))
+    written = write_config(planned_config(base, batcher, 2, {"intra_op_threads": "1"}), tmp_path / "p.pbtxt",
+                           header="planned\nby a test")
+    again = load_config(written)
+    assert written.read_text().startswith("# planned\n# by a test\n")
+    assert (again.name, again.backend, again.input[0].dims) == (base.name, base.backend, base.input[0].dims)
+    assert batcher_from_config(again) == batcher
+    assert again.instance_group[0].count == 2 and again.parameters["intra_op_threads"].string_value == "1"
+    assert all(w.batch_size <= 8 for w in again.model_warmup)
+    unbatched = planned_config(base, BatcherConfig(16, dynamic_batching=False), 1)
+    assert not unbatched.HasField("dynamic_batching")
+
+
+def test_plan_command_writes_a_servable_config_outside_the_model_repository(tmp_path, capsys):
+    profile = Profile("resnet18_onnx", {1: {1: BatchTiming(20.0, 1.0), 8: BatchTiming(120.0, 5.0),
+                                            16: BatchTiming(230.0, 8.0)}}, overhead_us=1000.0)
+    path = profile.save(tmp_path / "profile.json")
+    code = planner_main(["plan", "--profile", str(path), "--qps", "100", "--budget-ms", "600", "--requests", "4000",
+                         "--out", str(tmp_path / "out"), "--name", "planned_test"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "BEST:" in printed and "queue delay chosen" in printed
+    written = tmp_path / "out" / "resnet18_onnx" / "configs" / "planned_test.pbtxt"
+    config = load_config(written)
+    assert config.name == "resnet18_onnx" and config.max_batch_size in (8, 16)
+    assert not (MODEL_REPOSITORY / "resnet18_onnx" / "configs" / "planned_test.pbtxt").exists()
