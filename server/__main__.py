@@ -3,17 +3,28 @@
 Runs the export first when model files are missing, starts tritonserver, waits until every model is
 ready, prints where it listens, then serves until Ctrl-C or SIGTERM. On either signal the server stops
 taking new requests, lets in-flight ones finish (up to --exit-timeout-s) and exits.
+
+A supervisor restarts tritonserver when it exits, when a Python-backend stub process dies (Triton 2.51
+does not restart it; the model would fail every request while still reporting READY) or when it stops
+answering; after --max-restarts restarts within 10 minutes it gives up and exits 1.
+
+Security: the server listens on 127.0.0.1 unless --host says otherwise. Listening on any other address
+needs an admin key in the environment variable TRITON_ADMIN_KEY: model control, shared memory, trace
+and logging then need the header `admin-key: <key>` (gRPC metadata `triton-grpc-protocol-admin-key`);
+inference, health, metadata and statistics stay open. A key set on 127.0.0.1 restricts the same APIs.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
 import threading
 
 from export.artifacts import MODEL_REPOSITORY, missing_artifacts
-from server.embedded import EmbeddedTritonServer, ServerConfig, ServerStartError
+from server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ServerConfig
+from server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
 
 
 def ensure_exported() -> None:
@@ -27,7 +38,8 @@ def ensure_exported() -> None:
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig()
     parser.add_argument("--host", default=defaults.host,
-                        help="address to listen on (default 127.0.0.1: this machine only)")
+                        help="address to listen on (default 127.0.0.1: this machine only; any other "
+                             f"address needs the admin key in ${ADMIN_KEY_ENV})")
     parser.add_argument("--http-port", type=int, default=defaults.http_port)
     parser.add_argument("--grpc-port", type=int, default=defaults.grpc_port)
     parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port)
@@ -38,48 +50,79 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-verbose", type=int, default=0)
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"serve: WARNING: listening on {args.host}: the server is reachable from other machines",
-              file=sys.stderr)
-    return ServerConfig(model_repository=args.model_repository, host=args.host,
-                        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                        model_config_name=args.model_config_name, exit_timeout_s=args.exit_timeout_s,
-                        log_verbose=args.log_verbose)
+class InsecureBindError(ValueError):
+    """--host names a non-loopback address and no admin key is set: refused (exit status 2)."""
+
+
+def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerConfig:
+    """The ServerConfig for the parsed arguments; the admin key comes from $TRITON_ADMIN_KEY.
+
+    Warns on stderr when the server will be reachable from other machines; raises InsecureBindError
+    when it would be reachable without the restricted APIs being locked.
+    """
+    environ = os.environ if environ is None else environ
+    admin_key = environ.get(ADMIN_KEY_ENV) or None
+    config = ServerConfig(model_repository=args.model_repository, host=args.host,
+                          http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                          model_config_name=args.model_config_name, exit_timeout_s=args.exit_timeout_s,
+                          log_verbose=args.log_verbose, admin_key=admin_key)
+    if not config.loopback_only:
+        if admin_key is None:
+            raise InsecureBindError(
+                f"serve: refusing to listen on {args.host} without an admin key: anyone on the network could "
+                f"load and unload models and register shared memory. Set {ADMIN_KEY_ENV} (e.g. "
+                f"`export {ADMIN_KEY_ENV}=$(openssl rand -hex 16)`) and run again.")
+        print(f"serve: WARNING: listening on {args.host}: the server is reachable from other machines; "
+              f"{', '.join(RESTRICTED_APIS)} need the header '{ADMIN_HEADER}' (key from ${ADMIN_KEY_ENV}). "
+              f"Inference is open and unencrypted: put a TLS proxy in front.", file=sys.stderr)
+    elif admin_key:
+        print(f"serve: {', '.join(RESTRICTED_APIS)} need the header '{ADMIN_HEADER}' "
+              f"(key from ${ADMIN_KEY_ENV})", file=sys.stderr)
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(parser)
+    parser.add_argument("--max-restarts", type=int, default=SupervisorPolicy.max_restarts,
+                        help="restarts allowed within 10 minutes before giving up (default 5; 0: never "
+                             "restart, exit 1 on the first fault)")
     args = parser.parse_args(argv)
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except InsecureBindError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     ensure_exported()
 
     stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if not stop.is_set():
+            print(f"serve: {signal.Signals(signum).name}: stopping; accepted requests finish first "
+                  f"(up to {config.exit_timeout_s} s)", flush=True)
+        stop.set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    server = EmbeddedTritonServer(config)
-    try:
-        seconds = server.start()
-    except ServerStartError as exc:
-        print(f"serve: {exc}", file=sys.stderr)
-        return 1
-    print(f"\nserve: ready in {seconds:.1f} s\n"
-          f"  HTTP    http://{config.http_url}   (KServe v2: /v2/health/ready, /v2/models/resnet18/infer)\n"
-          f"  gRPC    {config.grpc_url}\n"
-          f"  metrics {config.metrics_url}\n"
-          f"  try:    .venv/bin/python -m client.classify --url {config.http_url} <images>\n"
-          f"serve: Ctrl-C or SIGTERM to stop", flush=True)
-    while not stop.wait(0.5):
-        if not server.running:
-            print(f"serve: tritonserver exited unexpectedly (status {server.process.returncode})",
-                  file=sys.stderr)
-            return 1
-    print("serve: stopping; in-flight requests finish first", flush=True)
-    status = server.stop()
-    print(f"serve: tritonserver exited with status {status}")
-    return 0 if status == 0 else 1
+        signal.signal(signum, on_signal)
+    announced = threading.Event()
+
+    def on_event(event: SupervisorEvent) -> None:
+        print(f"serve: {event.kind}: {event.detail}", file=sys.stderr, flush=True)
+        if event.kind == "ready" and not announced.is_set():
+            announced.set()
+            print(f"\nserve: ready\n"
+                  f"  HTTP    http://{config.http_url}   (KServe v2: /v2/health/ready, /v2/models/resnet18/infer)\n"
+                  f"  gRPC    {config.grpc_url}\n"
+                  f"  metrics {config.metrics_url}\n"
+                  f"  try:    .venv/bin/python -m client.classify --url {config.http_url} <images>\n"
+                  f"serve: Ctrl-C or SIGTERM to stop", flush=True)
+
+    supervisor = Supervisor(config, SupervisorPolicy(max_restarts=args.max_restarts), on_event=on_event)
+    status = supervisor.run(stop)
+    print(f"serve: exiting with status {status}", flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from client.classify import classify_files, format_predictions
 from client.metrics import average_batch_size, model_counters
 from client.samples import sample_photos
 from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, PROVENANCE_PATHS, REPO_ROOT
-from server.__main__ import add_server_arguments, config_from_args, ensure_exported
+from server.__main__ import InsecureBindError, add_server_arguments, config_from_args, ensure_exported
 from server.embedded import EmbeddedTritonServer
 
 
@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     add_server_arguments(parser)
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     args = parser.parse_args(argv)
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except InsecureBindError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     ensure_exported()
     weights = json.loads(PROVENANCE_PATHS[0].read_text())["weights"]
 

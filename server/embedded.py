@@ -23,6 +23,19 @@ from export.artifacts import MODEL_REPOSITORY
 
 MiB = 1 << 20
 
+#: APIs that change the server or read its memory: model control (load/unload, repository index),
+#: shared-memory registration, trace and log settings. With an admin key they need the key's header;
+#: inference, health, metadata, model config and statistics stay open (the same set as deploy/).
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+#: HTTP header that carries the admin key. Over gRPC Triton expects the metadata key
+#: "triton-grpc-protocol-<header>" (grpcclient: headers={ADMIN_GRPC_HEADER: key}).
+ADMIN_HEADER = "admin-key"
+ADMIN_GRPC_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
+#: Environment variable the `serve` command reads the admin key from (never a flag or a file).
+ADMIN_KEY_ENV = "TRITON_ADMIN_KEY"
+#: Executable name of the Python backend's per-instance stub process.
+STUB_EXECUTABLE = "triton_python_backend_stub"
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -45,7 +58,15 @@ class ServerConfig:
     python_shm_default_bytes: int = 16 * MiB
     python_shm_growth_bytes: int = 16 * MiB
     log_verbose: int = 0
+    #: When set, RESTRICTED_APIS need the header `admin-key: <admin_key>` (HTTP 403 without it, gRPC
+    #: UNAVAILABLE). Kept out of repr() so the key does not end up in logs.
+    admin_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def loopback_only(self) -> bool:
+        """True when the server listens on this machine's loopback interface only."""
+        return self.host in ("127.0.0.1", "localhost", "::1")
 
     @property
     def http_url(self) -> str:
@@ -127,6 +148,11 @@ def server_command(config: ServerConfig) -> list[str]:
     ]
     if config.model_config_name:
         cmd.append(f"--model-config-name={config.model_config_name}")
+    if config.admin_key:
+        # Triton takes the key only on its command line, so local users can read it in `ps`; the
+        # restriction is against callers from the network, not other accounts on this machine.
+        restriction = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={config.admin_key}"
+        cmd += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
     return cmd + list(config.extra_args)
 
 
@@ -215,9 +241,35 @@ class EmbeddedTritonServer:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def stop(self) -> int | None:
-        """SIGTERM, wait for in-flight requests (up to exit_timeout_s + 10 s), then SIGKILL the group.
+    def stub_processes(self) -> dict[str, int]:
+        """The Python backend's stub processes of this server: {instance name: pid}, e.g.
+        {"resnet18_onnx_0_0": 4242}. One per model instance; Triton 2.51 does not restart a stub that
+        died (its model stays READY and every request fails), so the supervisor watches these."""
+        if not self.running:
+            return {}
+        stubs = {}
+        for pid, argv in _children(self.process.pid):
+            # argv: stub, model.py, shm region, shm sizes (2), parent pid, backend dir, ipc size,
+            # instance name, runtime ("DEFAULT")
+            if argv and Path(argv[0]).name == STUB_EXECUTABLE and len(argv) >= 3:
+                stubs[argv[-2]] = pid
+        return stubs
 
+    def resident_memory_bytes(self) -> dict[str, int]:
+        """Resident memory (RSS) of tritonserver and of each stub: {"tritonserver": bytes,
+        "<instance name>": bytes, ...}; empty when the server is not running."""
+        if not self.running:
+            return {}
+        memory = {"tritonserver": _rss_bytes(self.process.pid)}
+        for name, pid in self.stub_processes().items():
+            memory[name] = _rss_bytes(pid)
+        return {name: rss for name, rss in memory.items() if rss is not None}
+
+    def stop(self, drain_s: float | None = None) -> int | None:
+        """SIGTERM, wait for in-flight requests, then SIGKILL the process group (stubs included).
+
+        drain_s: how long to wait after SIGTERM before SIGKILL; default exit_timeout_s + 10 s (the
+        server's own exit timeout plus a margin).
         Returns the server's exit status (None if it was never started).
         """
         if self.process is None:
@@ -225,7 +277,7 @@ class EmbeddedTritonServer:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(self.config.exit_timeout_s + 10)
+                self.process.wait(self.config.exit_timeout_s + 10 if drain_s is None else drain_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
@@ -241,3 +293,42 @@ class EmbeddedTritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _children(parent_pid: int) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of the live child processes of `parent_pid`, read from /proc (Linux)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it
+            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+            if int(ppid) != parent_pid or state == "Z":
+                continue
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, ValueError):  # exited while we looked
+            continue
+        children.append((int(entry.name), [a for a in argv if a]))
+    return children
+
+
+def _rss_bytes(pid: int) -> int | None:
+    """Resident set size of `pid` in bytes (VmRSS of /proc/<pid>/status), None if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

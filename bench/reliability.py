@@ -1,0 +1,999 @@
+"""python -m bench.reliability: overload, queue timeouts, readiness, bad input, faults and shutdown against
+the real embedded tritonserver, with every request accounted for.
+
+Each scenario sends requests, classifies every outcome (answered correctly, refused with 503 /
+UNAVAILABLE, timed out in the queue, refused as bad input, wrong answer, other error, or lost: no
+outcome at all within a generous client-side bound) and compares what the clients saw with what the
+server counted (metrics endpoint and statistics extension). The tests (tests/test_reliability*.py) run
+the same functions with small numbers; this command runs them bigger and prints the table of
+docs/reliability.md (also written as JSON under results/reliability/):
+
+    .venv/bin/python -m bench.reliability                       # every scenario, about 3 minutes
+    .venv/bin/python -m bench.reliability --scenario burst --burst-requests 600
+
+The 10-minute soak at 80% of capacity is `python -m bench.soak`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tritonclient.utils import InferenceServerException
+
+from client.classifier import protocol_module
+from client.errors import QUEUE_FULL_MESSAGE, QUEUE_TIMEOUT_MESSAGE
+from client.metrics import model_counters
+from export.artifacts import ENSEMBLE_MODEL, MODEL_REPOSITORY, ONNX_MODEL, REPO_ROOT
+from server.embedded import EmbeddedTritonServer, ServerConfig, config_on_free_ports
+
+PROTOCOLS = ("http", "grpc")
+TEST_MODEL_REPOSITORY = REPO_ROOT / "tests" / "model_repository"
+ECHO_MODEL = "reliability_echo"        # tests/model_repository: y = x after 200 ms, queue of 8
+TIMEOUT_MODEL = "reliability_timeout"  # tests/model_repository: 300 ms per request, 1 s queue timeout
+RESULTS_DIR = REPO_ROOT / "results" / "reliability"
+#: A request with no outcome after this long is counted as lost (hung). Far above any queue wait here.
+HANG_BOUND_S = 60.0
+#: Tolerance between an answer under load (any batch size) and the reference answer (batch of 1).
+RTOL, ATOL = 1e-4, 1e-4
+
+# -- outcomes ------------------------------------------------------------------------------------------
+
+ANSWERED = "answered"        # a response with the right request id and the right values
+REFUSED = "refused"          # 503 / UNAVAILABLE "Exceeds maximum queue size": never queued
+TIMED_OUT = "timed-out"      # 503 / UNAVAILABLE "Request timeout expired": left the queue unserved
+INVALID = "invalid"          # 400 / INVALID_ARGUMENT
+WRONG = "wrong"              # a response, but not the answer to this request
+ERROR = "error"              # any other failure
+LOST = "lost"                # no outcome within HANG_BOUND_S
+
+
+@dataclass
+class Outcome:
+    """What one request got. latency_s: from just before the send to the outcome."""
+
+    index: int
+    kind: str
+    latency_s: float
+    status: str | None = None
+    message: str = ""
+    probe: bool = False
+
+
+def classify_error(exc: InferenceServerException) -> tuple[str, str | None, str]:
+    status, message = exc.status(), exc.message() or str(exc)
+    if QUEUE_FULL_MESSAGE in message:
+        kind = REFUSED
+    elif QUEUE_TIMEOUT_MESSAGE in message:
+        kind = TIMED_OUT
+    elif status in ("400", "StatusCode.INVALID_ARGUMENT"):
+        kind = INVALID
+    else:
+        kind = ERROR
+    return kind, status, message
+
+
+def response_id(result) -> str:
+    response = result.get_response()
+    return response["id"] if isinstance(response, dict) else response.id
+
+
+def summarize(outcomes: list[Outcome], sent: int) -> dict:
+    """Counts per kind, `lost` = sent minus every outcome seen, and latency percentiles (ms) of
+    answers and refusals."""
+    counts = {kind: sum(o.kind == kind for o in outcomes)
+              for kind in (ANSWERED, REFUSED, TIMED_OUT, INVALID, WRONG, ERROR, LOST)}
+    counts[LOST] += sent - len(outcomes)
+    summary = {"sent": sent, **counts}
+    for kind in (ANSWERED, REFUSED, TIMED_OUT):
+        latencies = sorted(o.latency_s * 1000 for o in outcomes if o.kind == kind)
+        if latencies:
+            summary[f"{kind}_ms"] = {"p50": round(percentile(latencies, 50), 1),
+                                     "p99": round(percentile(latencies, 99), 1),
+                                     "max": round(latencies[-1], 1)}
+    return summary
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+# -- what the server counted ---------------------------------------------------------------------------
+
+def server_counts(config: ServerConfig, model: str) -> dict[str, float]:
+    """The server's own counts for `model`: metrics endpoint (requests succeeded, failed per reason,
+    inferences, executions) and statistics extension (success and fail counts)."""
+    import tritonclient.http as httpclient
+
+    metrics = model_counters(config.metrics_url, model)
+    client = httpclient.InferenceServerClient(config.http_url)
+    try:
+        stats = client.get_inference_statistics(model)["model_stats"][0]["inference_stats"]
+    finally:
+        client.close()
+    counts = {"metrics_success": metrics.get("nv_inference_request_success", 0.0),
+              "metrics_failure": metrics.get("nv_inference_request_failure", 0.0),
+              "metrics_inferences": metrics.get("nv_inference_count", 0.0),
+              "stats_success": float(stats["success"].get("count", 0)),
+              "stats_fail": float(stats["fail"].get("count", 0))}
+    return counts
+
+
+def failure_reasons(config: ServerConfig, model: str) -> dict[str, float]:
+    """nv_inference_request_failure of `model` per `reason` label (REJECTED, CANCELED, BACKEND, OTHER)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(config.metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    reasons: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name == "nv_inference_request_failure" and sample.labels.get("model") == model:
+                reason = sample.labels.get("reason", "")
+                reasons[reason] = reasons.get(reason, 0.0) + sample.value
+    return reasons
+
+
+def settled_counts(config: ServerConfig, model: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """server_counts once they stop changing (two reads 0.5 s apart agree) or `timeout_s` passed:
+    the server updates its counters as each request completes, a moment after the client's outcome."""
+    deadline = time.monotonic() + timeout_s
+    counts = server_counts(config, model)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = server_counts(config, model)
+        if again == counts:
+            break
+        counts = again
+    return counts
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    return {key: int(round(after[key] - before[key])) for key in after}
+
+
+# -- overload: a burst far above capacity --------------------------------------------------------------
+
+@dataclass
+class TensorLoad:
+    """Requests for one model: `inputs[i % len(inputs)]` as tensor `input_name`, answered correctly when
+    output `output_name` equals `expected[i % len(inputs)]` within RTOL/ATOL."""
+
+    model: str
+    input_name: str
+    output_name: str
+    datatype: str
+    inputs: list[np.ndarray]
+    expected: list[np.ndarray] = field(default_factory=list)
+
+    def input_for(self, index: int) -> np.ndarray:
+        return self.inputs[index % len(self.inputs)]
+
+    def correct(self, index: int, output: np.ndarray) -> bool:
+        reference = self.expected[index % len(self.expected)]
+        return output.shape == reference.shape and (
+            np.allclose(output, reference, rtol=RTOL, atol=ATOL) if output.dtype.kind == "f"
+            else np.array_equal(output, reference))
+
+
+def onnx_load(count: int = 8, seed: int = 0) -> TensorLoad:
+    """`count` distinct random images for resnet18_onnx (FP32 [1, 3, 224, 224] each)."""
+    rng = np.random.default_rng(seed)
+    return TensorLoad(ONNX_MODEL, "input", "logits", "FP32",
+                      [rng.standard_normal((1, 3, 224, 224), dtype=np.float32) for _ in range(count)])
+
+
+def ensemble_load(count: int = 5) -> TensorLoad:
+    """The sample photos as encoded bytes for the `resnet18` ensemble (BYTES [1, 1] each)."""
+    from client.samples import sample_photos
+
+    photos = [p.read_bytes() for p in sample_photos()[:count]]
+    return TensorLoad(ENSEMBLE_MODEL, "image", "logits", "BYTES",
+                      [np.array([[photo]], dtype=np.object_) for photo in photos])
+
+
+def echo_load(count: int = 16) -> TensorLoad:
+    return TensorLoad(ECHO_MODEL, "x", "y", "FP32",
+                      [np.full((1, 4), i, np.float32) for i in range(count)],
+                      [np.full((1, 4), i, np.float32) for i in range(count)])
+
+
+def _infer_input(module, load: TensorLoad, index: int):
+    array = load.input_for(index)
+    request = module.InferInput(load.input_name, list(array.shape), load.datatype)
+    request.set_data_from_numpy(array)
+    return request
+
+
+def reference_answers(config: ServerConfig, load: TensorLoad) -> TensorLoad:
+    """Fill `load.expected` with the server's answer to each input sent alone, at no load."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(config.grpc_url)
+    try:
+        load.expected = [client.infer(load.model, [_infer_input(grpcclient, load, i)],
+                                      outputs=[grpcclient.InferRequestedOutput(load.output_name)]
+                                      ).as_numpy(load.output_name)
+                         for i in range(len(load.inputs))]
+    finally:
+        client.close()
+    return load
+
+
+def _judge(load: TensorLoad, index: int, result, started: float, probe: bool = False) -> Outcome:
+    latency = time.perf_counter() - started
+    if response_id(result) != str(index):
+        return Outcome(index, WRONG, latency, message=f"response id {response_id(result)!r}", probe=probe)
+    if not load.correct(index, result.as_numpy(load.output_name)):
+        return Outcome(index, WRONG, latency, message="values differ from the reference", probe=probe)
+    return Outcome(index, ANSWERED, latency, probe=probe)
+
+
+async def _send_all(url: str, protocol: str, load: TensorLoad, indices: range,
+                    timeout_us: int | None = None) -> list[Outcome]:
+    """Send every request of `indices` at once (asyncio, one connection or stream each) and wait for
+    all outcomes. Requests are built before the first is sent, so they leave together."""
+    module = protocol_module(protocol, asyncio_api=True)
+    if protocol == "http":
+        client = module.InferenceServerClient(url, conn_limit=len(indices) + 1, conn_timeout=HANG_BOUND_S)
+    else:
+        client = module.InferenceServerClient(url)
+    requested = [module.InferRequestedOutput(load.output_name)]
+    prepared = [(i, _infer_input(module, load, i)) for i in indices]
+    extra = {} if timeout_us is None else {"timeout": timeout_us}
+
+    async def one(index: int, request) -> Outcome:
+        started = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(
+                client.infer(load.model, [request], outputs=requested, request_id=str(index), **extra),
+                HANG_BOUND_S)
+        except asyncio.TimeoutError:
+            return Outcome(index, LOST, time.perf_counter() - started, message="no outcome (hung)")
+        except InferenceServerException as exc:
+            kind, status, message = classify_error(exc)
+            return Outcome(index, kind, time.perf_counter() - started, status, message)
+        except Exception as exc:  # connection reset, ...
+            return Outcome(index, ERROR, time.perf_counter() - started, None, f"{type(exc).__name__}: {exc}")
+        return _judge(load, index, result, started)
+
+    try:
+        return list(await asyncio.gather(*(one(i, r) for i, r in prepared)))
+    finally:
+        await client.close()
+
+
+def _probe(url: str, protocol: str, load: TensorLoad, first_index: int, stop: threading.Event,
+           interval_s: float) -> list[Outcome]:
+    """Send one request at a time until `stop`: each alone on the wire, so a refusal's latency is the
+    server's time to refuse (plus loopback), not the burst's client-side queueing."""
+    module = protocol_module(protocol)
+    client = module.InferenceServerClient(url)
+    outcomes, index = [], first_index
+    try:
+        while not stop.is_set():
+            request = _infer_input(module, load, index)
+            started = time.perf_counter()
+            try:
+                result = client.infer(load.model, [request], outputs=[module.InferRequestedOutput(load.output_name)],
+                                       request_id=str(index))
+                outcomes.append(_judge(load, index, result, started, probe=True))
+            except InferenceServerException as exc:
+                kind, status, message = classify_error(exc)
+                outcomes.append(Outcome(index, kind, time.perf_counter() - started, status, message, probe=True))
+            index += 1
+            stop.wait(interval_s)
+    finally:
+        client.close()
+    return outcomes
+
+
+@dataclass
+class BurstResult:
+    protocol: str
+    model: str
+    outcomes: list[Outcome]
+    server: dict[str, int]          # delta of server_counts over the burst
+    failure_reasons: dict[str, int]  # delta of nv_inference_request_failure per reason
+    wall_s: float
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+    def summary(self) -> dict:
+        burst = summarize([o for o in self.outcomes if not o.probe], sum(not o.probe for o in self.outcomes))
+        probes = summarize([o for o in self.outcomes if o.probe], sum(o.probe for o in self.outcomes))
+        total = summarize(self.outcomes, self.sent)
+        return {"protocol": self.protocol, "model": self.model, "wall_s": round(self.wall_s, 2),
+                "total": total, "burst": burst, "probes": probes, "server": self.server,
+                "failure_reasons": self.failure_reasons}
+
+
+def burst(config: ServerConfig, protocol: str, load: TensorLoad, requests: int, probes: int = 3,
+          probe_interval_s: float = 0.01, queued_model: str | None = None) -> BurstResult:
+    """Send `requests` requests at once to `load.model`, classify every outcome, and read the server's
+    counts before and after.
+
+    Probes: once the queue of `queued_model` (default `load.model`; for the ensemble, the step that
+    refuses) is full (server.overload's threshold), `probes` threads each send single requests one after another until the burst is
+    over. A probe refused meets a full queue alone on the wire, so its latency is the server's time to
+    refuse; a burst request's refusal also waits for the whole burst to be received.
+    """
+    from server.overload import PENDING_GAUGE, queue_limits
+
+    url = config.http_url if protocol == "http" else config.grpc_url
+    queued_model = queued_model or load.model
+    limit = queue_limits((MODEL_REPOSITORY, TEST_MODEL_REPOSITORY))[queued_model].overload_threshold
+    before, reasons_before = server_counts(config, load.model), failure_reasons(config, load.model)
+    stop, probe_outcomes = threading.Event(), []
+
+    def probe(first_index: int):
+        while not stop.is_set() and model_counters(config.metrics_url, queued_model).get(PENDING_GAUGE, 0) < limit:
+            time.sleep(0.005)
+        probe_outcomes.extend(_probe(url, protocol, load, first_index, stop, probe_interval_s))
+
+    probers = [threading.Thread(target=probe, args=(requests + 100_000 * (k + 1),), daemon=True)
+               for k in range(probes)]
+    started = time.perf_counter()
+    for prober in probers:
+        prober.start()
+    try:
+        outcomes = asyncio.run(_send_all(url, protocol, load, range(requests)))
+    finally:
+        stop.set()
+        for prober in probers:
+            prober.join(HANG_BOUND_S)
+    wall = time.perf_counter() - started
+    outcomes += probe_outcomes
+    after = settled_counts(config, load.model)
+    reasons = {k: int(v - reasons_before.get(k, 0.0)) for k, v in failure_reasons(config, load.model).items()}
+    return BurstResult(protocol, load.model, outcomes, delta(before, after), reasons, wall)
+
+
+# -- queue timeouts -----------------------------------------------------------------------------------
+
+def queue_timeouts(config: ServerConfig, protocol: str, requests: int = 16) -> dict:
+    """reliability_timeout: 200 ms per request (batch 1), queue timeout 2 s (default_timeout_microseconds).
+
+    Phase "default": `requests` requests at once; the k-th starts after about 0.2 k s, so those still
+    queued after 2 s are refused with "Request timeout expired". Each refusal's latency minus 2 s is how
+    late Triton noticed the expiry.
+    Phase "override": one request occupies the instance, then 2 requests with the default timeout (they
+    wait about 0.2 and 0.4 s) and one asking for 50 ms (`timeout` parameter, allow_timeout_override):
+    the 50 ms one is refused, the others are answered.
+    Phase "longer": 13 requests at once, each asking for 5 s (2.6 s of work in all): those still queued
+    after 2 s are refused all the same (a request can only shorten its queue timeout).
+    """
+    url = config.http_url if protocol == "http" else config.grpc_url
+    load = echo_load(16)
+    load.model = TIMEOUT_MODEL
+    default_timeout_s = 2.0
+    before = server_counts(config, TIMEOUT_MODEL)
+
+    default = asyncio.run(_send_all(url, protocol, load, range(requests)))
+
+    async def override_phase():
+        first = asyncio.ensure_future(_send_all(url, protocol, load, range(100, 101)))
+        await asyncio.sleep(0.05)
+        normal = asyncio.ensure_future(_send_all(url, protocol, load, range(101, 103)))
+        short = asyncio.ensure_future(_send_all(url, protocol, load, range(103, 104), timeout_us=50_000))
+        return (await first) + (await normal), await short
+
+    others, short = asyncio.run(override_phase())
+
+    # 13 requests of 200 ms: answered in 2.6 s if their 5 s would hold; refused after 2 s where it does not.
+    longer = asyncio.run(_send_all(url, protocol, load, range(200, 213), timeout_us=5_000_000))
+    after = settled_counts(config, TIMEOUT_MODEL)
+    everything = default + others + short + longer
+    lateness = sorted((o.latency_s - default_timeout_s) * 1000 for o in default if o.kind == TIMED_OUT)
+    return {
+        "protocol": protocol, "model": TIMEOUT_MODEL, "default_timeout_s": default_timeout_s,
+        "default": summarize(default, requests),
+        "default_refusal_after_expiry_ms": {"min": round(lateness[0], 1), "max": round(lateness[-1], 1)}
+        if lateness else None,
+        "override_others": summarize(others, 3), "override_50ms": summarize(short, 1),
+        "override_50ms_refused_after_ms": round(short[0].latency_s * 1000, 1),
+        "override_5s": summarize(longer, len(longer)),
+        "override_5s_refused_after_ms": sorted(round(o.latency_s * 1000, 1) for o in longer if o.kind == TIMED_OUT),
+        "total": summarize(everything, len(everything)),
+        "server": delta(before, after), "outcomes": [asdict(o) for o in everything],
+    }
+
+
+# -- readiness while the queue is full ----------------------------------------------------------------
+
+def readiness_under_overload(config: ServerConfig, requests: int = 30) -> dict:
+    """Overload reliability_echo (8 queued + 4 executing at most) with `requests` at once and, while it
+    refuses, read what an operator or a load balancer sees: /v2/health/ready (HTTP and gRPC), model
+    readiness, and nv_inference_pending_request_count at its highest (server.overload)."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    from server.overload import PENDING_GAUGE, queue_limits
+
+    limit = queue_limits((TEST_MODEL_REPOSITORY,))[ECHO_MODEL]
+    seen: dict = {"pending": 0}
+    done = threading.Event()
+
+    def observe():
+        """Poll the gauge until the burst is over; at each new high, read readiness at that moment."""
+        http = httpclient.InferenceServerClient(config.http_url)
+        grpc = grpcclient.InferenceServerClient(config.grpc_url)
+        try:
+            while not done.is_set():
+                pending = model_counters(config.metrics_url, ECHO_MODEL).get(PENDING_GAUGE, 0)
+                if pending > seen["pending"]:
+                    seen.update(pending=pending, server_ready_http=http.is_server_ready(),
+                                server_ready_grpc=grpc.is_server_ready(), model_ready=http.is_model_ready(ECHO_MODEL))
+                time.sleep(0.005)
+        finally:
+            http.close()
+            grpc.close()
+
+    observer = threading.Thread(target=observe)
+    observer.start()
+    try:
+        outcomes = asyncio.run(_send_all(config.grpc_url, "grpc", echo_load(requests), range(requests)))
+    finally:
+        done.set()
+        observer.join()
+    after = model_counters(config.metrics_url, ECHO_MODEL).get(PENDING_GAUGE)
+    return {"model": ECHO_MODEL, "max_queue_size": limit.max_queue_size, "max_batch_size": limit.max_batch_size,
+            "overload_threshold": limit.overload_threshold, "at_highest_pending": seen, "pending_after": after,
+            **summarize(outcomes, requests)}
+
+
+# -- memory -------------------------------------------------------------------------------------------
+
+class MemorySampler:
+    """Samples the resident memory of tritonserver and its stubs (sum) every `interval_s` on a thread;
+    start, end and peak in bytes."""
+
+    def __init__(self, server: EmbeddedTritonServer, interval_s: float = 0.2):
+        self.server, self.interval_s = server, interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def total_bytes(self) -> int:
+        return sum(self.server.resident_memory_bytes().values())
+
+    def _run(self):
+        origin = time.monotonic()
+        while True:
+            self.samples.append((time.monotonic() - origin, self.total_bytes()))
+            if self._stop.wait(self.interval_s):
+                self.samples.append((time.monotonic() - origin, self.total_bytes()))
+                return
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def start(self) -> int:
+        return self.samples[0][1]
+
+    @property
+    def end(self) -> int:
+        return self.samples[-1][1]
+
+    @property
+    def peak(self) -> int:
+        return max(value for _, value in self.samples)
+
+
+MiB = 1 << 20
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+
+def _encode(image, fmt: str, **options) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A valid PNG header claiming width x height with almost no pixel data: a decompression bomb."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 100)) + chunk(b"IEND", b""))
+
+
+def odd_images() -> dict[str, bytes]:
+    """Valid images in every awkward mode and container; each must be answered, not refused."""
+    import numpy as np
+    from PIL import Image
+
+    from client.samples import sample_photos
+
+    rgb = Image.open(sample_photos()[0]).convert("RGB")
+    gray = rgb.convert("L")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display"
+    frames = [rgb.quantize(64), rgb.rotate(180).quantize(64)]
+    animated = _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    return {
+        "grayscale-png": _encode(gray, "PNG"),
+        "rgba-png": _encode(rgb.convert("RGBA"), "PNG"),
+        "palette-png": _encode(rgb.quantize(64), "PNG"),
+        "cmyk-jpeg": _encode(rgb.convert("CMYK"), "JPEG", quality=90),
+        "16bit-png": _encode(Image.fromarray(np.asarray(gray, dtype=np.uint16) * 257), "PNG"),
+        "animated-gif": animated,
+        "exif-rotated-jpeg": _encode(rgb, "JPEG", quality=90, exif=exif),
+        "tiny-1x1-png": _encode(rgb.resize((1, 1)), "PNG"),
+    }
+
+
+@dataclass(frozen=True)
+class BadImage:
+    name: str
+    data: bytes
+    message: str  # a fragment the error message must contain
+
+
+def bad_images(max_image_bytes: int = 20_000_000) -> list[BadImage]:
+    """Encoded images the `resnet18` ensemble must refuse with 400 / INVALID_ARGUMENT."""
+    from PIL import Image
+
+    from client.samples import sample_photos
+
+    photo = sample_photos()[0].read_bytes()
+    rng = np.random.default_rng(7)
+    return [
+        BadImage("zero-byte", b"", "empty image"),
+        BadImage("truncated-png", photo[: len(photo) * 6 // 10], "truncated"),
+        BadImage("random-bytes", rng.integers(0, 256, 4096, dtype=np.uint8).tobytes(), "not an image"),
+        BadImage("bomb-png-50000x50000", png_claiming(50_000, 50_000), "too large"),
+        BadImage("over-max-image-bytes", b"\xff\xd8\xff\xe0" + bytes(max_image_bytes), "too large"),
+        BadImage("aspect-ratio-200:1", _encode(Image.new("RGB", (2000, 10)), "PNG"), "aspect ratio"),
+        BadImage("corrupt-ppm-header", b"P6\n2t5 80\n255\n" + bytes(64), "corrupt or truncated"),
+    ]
+
+
+@dataclass(frozen=True)
+class BadTensor:
+    """A tensor request tritonclient can build: `array` sent as `datatype`, then declared as `shape`."""
+
+    name: str
+    model: str
+    input_name: str
+    array: np.ndarray
+    datatype: str
+    message: str
+    shape: tuple[int, ...] | None = None  # declared shape, when it differs from the array's
+
+
+def bad_tensors() -> list[BadTensor]:
+    images = np.array([[b"x"]] * 17, dtype=np.object_)
+    return [
+        BadTensor("wrong-dtype", ONNX_MODEL, "input", np.zeros((1, 3, 224, 224), np.float64), "FP64", "data-type"),
+        BadTensor("wrong-shape", ONNX_MODEL, "input", np.zeros((1, 3, 100, 100), np.float32), "FP32", "unexpected shape"),
+        BadTensor("too-many-elements", ONNX_MODEL, "input", np.zeros((2, 3, 224, 224), np.float32), "FP32",
+                  "byte size mismatch", shape=(1, 3, 224, 224)),
+        BadTensor("batch-over-max", ENSEMBLE_MODEL, "image", images, "BYTES", "batch-size must be <= 16"),
+        BadTensor("image-as-fp32", ENSEMBLE_MODEL, "image", np.zeros((1, 1), np.float32), "FP32", "data-type"),
+        BadTensor("unknown-input-name", ONNX_MODEL, "inputt", np.zeros((1, 3, 224, 224), np.float32), "FP32",
+                  "unexpected inference input"),
+    ]
+
+
+def send_image(client, module, model: str, data: bytes, output: str = "logits"):
+    request = module.InferInput("image", [1, 1], "BYTES")
+    request.set_data_from_numpy(np.array([[data]], dtype=np.object_))
+    return client.infer(model, [request], outputs=[module.InferRequestedOutput(output)])
+
+
+def send_tensor(client, module, case: BadTensor):
+    request = module.InferInput(case.input_name, list(case.array.shape), case.datatype)
+    request.set_data_from_numpy(case.array)
+    if case.shape is not None:
+        request.set_shape(list(case.shape))
+    return client.infer(case.model, [request])
+
+
+def http_raw(config: ServerConfig, path: str, body: bytes, headers: dict | None = None) -> tuple[int, str]:
+    """POST `body` as it is (no client library checks); (status, body text)."""
+    import http.client
+
+    host, port = config.http_url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=HANG_BOUND_S)
+    try:
+        connection.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        return response.status, response.read().decode(errors="replace")
+    finally:
+        connection.close()
+
+
+def grpc_raw_infer(config: ServerConfig, request_bytes: bytes) -> tuple[str, str]:
+    """Send a serialized ModelInferRequest as it is; (status code name, details), "OK" on success."""
+    import grpc
+
+    channel = grpc.insecure_channel(config.grpc_url)
+    try:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        call(request_bytes, timeout=HANG_BOUND_S)
+        return "OK", ""
+    except grpc.RpcError as exc:
+        return exc.code().name, exc.details() or ""
+    finally:
+        channel.close()
+
+
+def non_utf8_requests(config: ServerConfig, protocol: str) -> list[tuple[str, str, str, str]]:
+    """Names that are not UTF-8: (case, status, message, expected fragment) per request."""
+    from tritonclient.grpc import service_pb2
+
+    if protocol == "http":
+        body = b'{"inputs":[{"name":"\xff\xfe","shape":[1,4],"datatype":"FP32","data":[1,2,3,4]}]}'
+        status, text = http_raw(config, f"/v2/models/{ECHO_MODEL}/infer", body)
+        model_status, model_text = http_raw(config, "/v2/models/%FF%FE/infer", b"{}")
+        return [("input-name-0xFFFE", str(status), text, "unexpected inference input"),
+                ("model-name-%FF%FE", str(model_status), model_text, "unknown model")]
+    request = service_pb2.ModelInferRequest(model_name=ECHO_MODEL)
+    tensor = request.inputs.add()
+    tensor.name, tensor.datatype = "Q", "FP32"
+    tensor.shape.extend([1, 4])
+    request.raw_input_contents.append(np.zeros((1, 4), np.float32).tobytes())
+    good = request.SerializeToString()
+    bad_input = good.replace(b"\x0a\x01Q", b"\x0a\x01\xff")  # field 1 (name), length 1: the byte 0xFF
+    bad_model = good.replace(ECHO_MODEL.encode(), ECHO_MODEL[:-1].encode() + b"\xff")
+    return [("input-name-0xFF", *grpc_raw_infer(config, bad_input), ""),
+            ("model-name-0xFF", *grpc_raw_infer(config, bad_model), "")]
+
+
+@dataclass
+class CaseResult:
+    case: str
+    expected: str        # ANSWERED or INVALID
+    kind: str
+    status: str | None
+    message: str
+    latency_s: float
+    ok: bool             # the outcome is the expected one, with the expected message fragment
+
+
+def _run_case(name: str, expected: str, fragment: str, send) -> CaseResult:
+    started = time.perf_counter()
+    try:
+        send()
+        kind, status, message = ANSWERED, None, ""
+    except InferenceServerException as exc:
+        kind, status, message = classify_error(exc)
+    latency = time.perf_counter() - started
+    ok = kind == expected and (expected == ANSWERED or fragment in message)
+    return CaseResult(name, expected, kind, status, message[:300], latency, ok)
+
+
+def bad_input_corpus(config: ServerConfig, protocol: str) -> list[CaseResult]:
+    """Every fixed case once over `protocol`: bad images to the ensemble, odd valid images to the
+    ensemble, bad tensors, names that are not UTF-8."""
+    module = protocol_module(protocol)
+    url = config.http_url if protocol == "http" else config.grpc_url
+    client = module.InferenceServerClient(url)
+    results = []
+    try:
+        for case in bad_images():
+            results.append(_run_case(f"image: {case.name}", INVALID, case.message,
+                                     lambda c=case: send_image(client, module, ENSEMBLE_MODEL, c.data)))
+        for name, data in odd_images().items():
+            results.append(_run_case(f"valid image: {name}", ANSWERED, "",
+                                     lambda d=data: send_image(client, module, ENSEMBLE_MODEL, d)))
+        for case in bad_tensors():
+            results.append(_run_case(f"tensor: {case.name}", INVALID, case.message,
+                                     lambda c=case: send_tensor(client, module, c)))
+    finally:
+        client.close()
+    for name, status, message, fragment in non_utf8_requests(config, protocol):
+        refused = status.startswith("4") or status in ("INVALID_ARGUMENT", "NOT_FOUND", "INTERNAL")
+        results.append(CaseResult(f"non-UTF-8: {name}", INVALID, INVALID if refused else ANSWERED, status,
+                                  message[:300], 0.0, refused and fragment in message))
+    return results
+
+
+# -- faults: a stub killed, the server crashed, SIGTERM with requests in flight -------------------------
+
+def repository_with(models: list[str], target: Path) -> Path:
+    """A model repository in `target` holding links to `models` (from model_repository/ or
+    tests/model_repository/), so a dedicated server loads only those."""
+    target.mkdir(parents=True, exist_ok=True)
+    for model in models:
+        source = MODEL_REPOSITORY / model
+        if not source.is_dir():
+            source = TEST_MODEL_REPOSITORY / model
+        (target / model).symlink_to(source)
+    return target
+
+
+class SteadyLoad:
+    """One request at a time to `load.model` on a thread, recording every outcome, until stopped.
+    Connection failures (server restarting) are outcomes too (ERROR), so nothing goes unaccounted."""
+
+    def __init__(self, config: ServerConfig, protocol: str, load: TensorLoad, interval_s: float = 0.05):
+        self.config, self.protocol, self.load, self.interval_s = config, protocol, load, interval_s
+        self.outcomes: list[tuple[float, Outcome]] = []  # (monotonic time of the outcome, outcome)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        module = protocol_module(self.protocol)
+        url = self.config.http_url if self.protocol == "http" else self.config.grpc_url
+        index = 0
+        while not self._stop.is_set():
+            client = module.InferenceServerClient(url)  # a fresh connection: survives restarts
+            started = time.perf_counter()
+            try:
+                result = client.infer(self.load.model, [_infer_input(module, self.load, index)],
+                                      outputs=[module.InferRequestedOutput(self.load.output_name)],
+                                      request_id=str(index))
+                outcome = _judge(self.load, index, result, started)
+            except InferenceServerException as exc:
+                kind, status, message = classify_error(exc)
+                outcome = Outcome(index, kind, time.perf_counter() - started, status, message)
+            except Exception as exc:  # connection refused while the server restarts
+                outcome = Outcome(index, ERROR, time.perf_counter() - started, None,
+                                  f"{type(exc).__name__}: {exc}")
+            finally:
+                try:
+                    client.close()
+                except Exception:
+                    pass
+            self.outcomes.append((time.monotonic(), outcome))
+            index += 1
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "SteadyLoad":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(HANG_BOUND_S)
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+
+def stub_kill(supervisor, model: str, load: TensorLoad, protocol: str = "grpc",
+              after_recovery: int = 20, interval_s: float = 0.05) -> dict:
+    """With `supervisor` (server.supervisor.Supervisor, started) serving, send `load` one request at a
+    time, SIGKILL the stub of `model`'s first instance, and measure until `after_recovery` requests in a
+    row are answered after the restart: errors seen, time to detect, time to the first good answer."""
+    server = supervisor.server
+    instance, pid = next((name, pid) for name, pid in server.stub_processes().items() if name.startswith(model))
+    restarts_before = supervisor.restarts
+    with SteadyLoad(supervisor.config, protocol, load, interval_s) as steady:
+        deadline = time.monotonic() + 30
+        while sum(o.kind == ANSWERED for _, o in steady.outcomes) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        deadline = killed_at + supervisor.policy.ready_timeout_s + 60
+        while time.monotonic() < deadline:
+            after = [o for t, o in steady.outcomes if t > killed_at]
+            tail = after[-after_recovery:]
+            if supervisor.restarts > restarts_before and len(tail) == after_recovery and \
+                    all(o.kind == ANSWERED for o in tail):
+                break
+            time.sleep(0.1)
+    after_kill = [(t, o) for t, o in steady.outcomes if t > killed_at]
+    failed = [(t, o) for t, o in after_kill if o.kind != ANSWERED]
+    first_good_after = next((t for t, o in after_kill if o.kind == ANSWERED and t > (failed[-1][0] if failed else 0)),
+                            None)
+    fault = next((e for e in supervisor.events if e.kind == "fault" and e.at_s >= killed_at - supervisor._origin),
+                 None)
+    messages = sorted({(o.status, o.message.split(" (")[0][:100]) for _, o in failed}, key=str)
+    return {
+        "model": model, "instance": instance, "protocol": protocol,
+        "detected_after_s": round(fault.at_s - (killed_at - supervisor._origin), 2) if fault else None,
+        "recovered_after_s": round(first_good_after - killed_at, 2) if first_good_after else None,
+        "restarts": supervisor.restarts - restarts_before,
+        "total": summarize([o for _, o in steady.outcomes], steady.sent),
+        "after_kill": summarize([o for _, o in after_kill], len(after_kill)),
+        "errors_seen": [{"status": s, "message": m} for s, m in messages],
+        "answered_in_a_row_at_end": len(list(_takewhile_answered_from_end([o for _, o in after_kill]))),
+    }
+
+
+def _takewhile_answered_from_end(outcomes: list[Outcome]):
+    for outcome in reversed(outcomes):
+        if outcome.kind != ANSWERED:
+            return
+        yield outcome
+
+
+def sigterm_in_flight(repository: Path, model: str, load: TensorLoad, in_flight: int, exit_timeout_s: int,
+                      log_path: Path, extra_serve_args: tuple[str, ...] = ()) -> dict:
+    """`python -m server` (the serve command) on `repository`; `in_flight` requests sent at once over
+    gRPC and HTTP (half each), SIGTERM to serve once the server holds them; then new requests on fresh
+    connections every 100 ms until it exits. Returns outcomes and how long the exit took."""
+    import subprocess
+
+    from server.embedded import free_ports
+
+    http_port, grpc_port, metrics_port = free_ports(3)
+    config = ServerConfig(model_repository=repository, http_port=http_port, grpc_port=grpc_port,
+                          metrics_port=metrics_port, exit_timeout_s=exit_timeout_s)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server", "--model-repository", str(repository), "--http-port", str(http_port),
+             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--exit-timeout-s",
+             str(exit_timeout_s), *extra_serve_args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"})
+    try:
+        wait_ready(config, process, 300)
+        accepted: list[Outcome] = []
+        done_at: list[float] = []
+
+        async def in_flight_requests():
+            half = in_flight // 2
+            http = asyncio.ensure_future(_send_all(config.http_url, "http", load, range(half)))
+            grpc = asyncio.ensure_future(_send_all(config.grpc_url, "grpc", load, range(half, in_flight)))
+            return (await http) + (await grpc)
+
+        runner = threading.Thread(target=lambda: (accepted.extend(asyncio.run(in_flight_requests())),
+                                                  done_at.append(time.monotonic())))
+        runner.start()
+        deadline = time.monotonic() + 30  # SIGTERM once requests wait in the model's queue
+        while model_counters(config.metrics_url, model).get("nv_inference_pending_request_count", 0) < 1:
+            if time.monotonic() > deadline or not runner.is_alive():
+                raise RuntimeError("the in-flight requests never reached the queue")
+            time.sleep(0.02)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        after: list[tuple[float, str, Outcome]] = []
+        index = 10_000
+        while process.poll() is None and time.monotonic() - signalled < exit_timeout_s + 30:
+            for protocol in PROTOCOLS:
+                outcome = _one_fresh(config, protocol, load, index)
+                after.append((round(time.monotonic() - signalled, 3), protocol, outcome))
+                index += 1
+            time.sleep(0.1)
+        process.wait(exit_timeout_s + 30)
+        exit_s = time.monotonic() - signalled
+        runner.join(HANG_BOUND_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return {"model": model, "in_flight": summarize(accepted, in_flight), "exit_status": process.returncode,
+            "last_in_flight_answered_after_sigterm_s": round(done_at[0] - signalled, 2) if done_at else None,
+            "exit_s": round(exit_s, 2), "exit_timeout_s": exit_timeout_s,
+            "after_sigterm": [{"t_s": t, "protocol": p, "kind": o.kind, "status": o.status,
+                               "message": o.message[:120]} for t, p, o in after]}
+
+
+def wait_ready(config: ServerConfig, process, timeout_s: float) -> None:
+    """Block until the server of `config` (run by `process`) is ready; RuntimeError if it exits first."""
+    import tritonclient.http as httpclient
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with status {process.returncode} before ready")
+        client = httpclient.InferenceServerClient(config.http_url, connection_timeout=2.0)
+        try:
+            if client.is_server_ready():
+                return
+        except Exception:
+            pass
+        finally:
+            client.close()
+        time.sleep(0.25)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
+
+
+def _one_fresh(config: ServerConfig, protocol: str, load: TensorLoad, index: int) -> Outcome:
+    module = protocol_module(protocol)
+    started = time.perf_counter()
+    try:
+        client = module.InferenceServerClient(config.http_url if protocol == "http" else config.grpc_url)
+    except Exception as exc:
+        return Outcome(index, ERROR, 0.0, None, f"{type(exc).__name__}: {exc}")
+    try:
+        result = client.infer(load.model, [_infer_input(module, load, index)],
+                              outputs=[module.InferRequestedOutput(load.output_name)], request_id=str(index),
+                              **({"client_timeout": 10.0} if protocol == "grpc" else {}))
+        return _judge(load, index, result, started)
+    except InferenceServerException as exc:
+        kind, status, message = classify_error(exc)
+        return Outcome(index, kind, time.perf_counter() - started, status, message)
+    except Exception as exc:
+        return Outcome(index, ERROR, time.perf_counter() - started, None, f"{type(exc).__name__}: {exc}")
+    finally:
+        try:
+            client.close()
+        except Exception:
+            pass
+
+
+#: An HTTP/JSON inference request whose `shape` claims 10^12 x 4 elements while `data` holds 4: Triton
+#: 2.51 sizes a buffer from the shape before checking it, throws std::bad_alloc and aborts (the whole
+#: server, every model). Binary-data HTTP requests and gRPC check the byte size first and get 400 /
+#: INVALID_ARGUMENT. Upstream fix: triton-inference-server/server PR #8174 (after 2.51).
+CRASHING_JSON_BODY = b'{"inputs":[{"name":"x","shape":[1000000000000,4],"datatype":"FP32","data":[1,2,3,4]}]}'
+
+
+def send_crashing_request(config: ServerConfig, model: str = ECHO_MODEL) -> str:
+    """Send CRASHING_JSON_BODY; what came back (the server usually closes the connection as it dies)."""
+    try:
+        status, text = http_raw(config, f"/v2/models/{model}/infer", CRASHING_JSON_BODY)
+        return f"HTTP {status}: {text[:120]}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+# -- security -----------------------------------------------------------------------------------------
+
+def restricted_api_checks(config: ServerConfig) -> list[dict]:
+    """Against a server started with an admin key: each restricted API without and with the key, and
+    inference without it (open). Returns one row per call: protocol, api, key sent, outcome."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    from server.embedded import ADMIN_GRPC_HEADER, ADMIN_HEADER
+
+    rows = []
+
+    def attempt(protocol, api, with_key, call):
+        try:
+            call()
+            outcome = "OK"
+        except InferenceServerException as exc:
+            outcome = f"{exc.status()}: {(exc.message() or '')[:80]}"
+        rows.append({"protocol": protocol, "api": api, "key": with_key, "outcome": outcome})
+
+    http = httpclient.InferenceServerClient(config.http_url)
+    grpc = grpcclient.InferenceServerClient(config.grpc_url)
+    load = echo_load(1)
+    try:
+        for with_key in (False, True):
+            h = {ADMIN_HEADER: config.admin_key} if with_key else {}
+            g = {ADMIN_GRPC_HEADER: config.admin_key} if with_key else {}
+            attempt("http", "model-repository (index)", with_key, lambda: http.get_model_repository_index(headers=h))
+            attempt("http", "shared-memory (status)", with_key, lambda: http.get_system_shared_memory_status(headers=h))
+            attempt("http", "trace (settings)", with_key, lambda: http.get_trace_settings(headers=h))
+            attempt("grpc", "model-repository (index)", with_key, lambda: grpc.get_model_repository_index(headers=g))
+            attempt("grpc", "shared-memory (status)", with_key, lambda: grpc.get_system_shared_memory_status(headers=g))
+            attempt("grpc", "trace (settings)", with_key, lambda: grpc.get_trace_settings(headers=g))
+        attempt("http", "inference (open)", False,
+                lambda: http.infer(ECHO_MODEL, [_infer_input(httpclient, load, 0)]))
+        attempt("grpc", "inference (open)", False,
+                lambda: grpc.infer(ECHO_MODEL, [_infer_input(grpcclient, load, 0)]))
+        attempt("http", "health (open)", False, lambda: http.is_server_ready())
+        attempt("http", "statistics (open)", False, lambda: http.get_inference_statistics(ECHO_MODEL))
+    finally:
+        http.close()
+        grpc.close()
+    return rows

@@ -1,0 +1,1 @@
+../../reliability_echo/1/model.py
