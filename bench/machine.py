@@ -36,3 +36,18 @@ def machine_info(triton_version: str) -> dict:
             "memory_gb": round(memory_kb / 1e6, 1), "platform": platform.platform(),
             "python": platform.python_version(), "triton_version": triton_version,
             **{name: version(name) for name in ("onnxruntime", "torch", "tritonclient", "nvidia-pytriton")}}
+
+
+def cpu_ticks() -> dict[str, int]:
+    """Cumulative CPU time of all cores from /proc/stat, in clock ticks: busy, steal, total.
+    steal = time the hypervisor gave this VM's vCPUs to others (noise on shared machines)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return {"busy": user + nice + system + irq + softirq, "steal": steal,
+            "total": user + nice + system + idle + iowait + irq + softirq + steal}
+
+
+def cpu_share(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """Fractions of all CPU time between two `cpu_ticks` readings: busy (any process) and steal."""
+    total = max(1, after["total"] - before["total"])
+    return {"busy": (after["busy"] - before["busy"]) / total, "steal": (after["steal"] - before["steal"]) / total}

@@ -103,7 +103,9 @@ def markdown(summary: dict, plots: dict[str, str]) -> str:
            f"Command: `{summary['command']}`  ",
            f"Started {summary['started_utc']}, took {summary['elapsed_s']:.0f} s. Machine: {machine['cpu']}, "
            f"{machine['cores']} cores, GPU: {machine['gpu'] or 'none'}; Python {machine['python']}, "
-           f"onnxruntime {machine['onnxruntime']}, torch {machine['torch']}.  ",
+           f"onnxruntime {machine['onnxruntime']}, torch {machine['torch']}. During the run the CPUs were "
+           f"{machine['cpu_during_run']['busy']:.0%} busy and {machine['cpu_during_run']['steal']:.0%} stolen "
+           f"by the hypervisor.  ",
            f"Load: perf_analyzer {summary['perf_analyzer']['protocol']}, shared memory "
            f"`{summary['perf_analyzer']['shared_memory']}`, measurement window "
            f"{summary['perf_analyzer']['measurement_ms']} ms; client and server on the same machine. "

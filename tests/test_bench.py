@@ -51,6 +51,7 @@ def test_concurrency_levels_stop_at_twice_the_max_batch_and_the_queue():
     assert levels_for(32, 128, quick=False) == (1, 2, 4, 8, 16, 32, 64)
     assert levels_for(16, 16, quick=False) == (1, 2, 4, 8, 16)  # the latency config's queue holds 16
     assert levels_for(16, 64, quick=True) == (1, 32)
+    assert levels_for(32, 128, quick=False, instances=2) == (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def test_config_switch_is_what_the_server_loaded(tmp_path):
