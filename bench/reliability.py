@@ -19,9 +19,7 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import threading
@@ -997,3 +995,203 @@ def restricted_api_checks(config: ServerConfig) -> list[dict]:
         http.close()
         grpc.close()
     return rows
+
+
+# -- the command ----------------------------------------------------------------------------------------
+
+SCENARIOS = ("burst", "timeout", "readiness", "bad-input", "stub-kill", "crash-request", "sigterm", "security")
+
+
+def _ms(figures: dict | None, key: str = "p50") -> str:
+    return "-" if not figures else f"{figures[key]:.0f}"
+
+
+def run_overload(config: ServerConfig, server: EmbeddedTritonServer, args, rows: list, record: dict) -> None:
+    onnx = reference_answers(config, onnx_load())
+    ensemble = reference_answers(config, ensemble_load())
+    for protocol, load, queued in (("http", onnx, ONNX_MODEL), ("grpc", onnx, ONNX_MODEL),
+                                   ("grpc", ensemble, ONNX_MODEL), ("http", ensemble, ONNX_MODEL)):
+        if "burst" not in args.scenario:
+            break
+        result = burst(config, protocol, load, args.burst_requests, queued_model=queued).summary()
+        record.setdefault("burst", []).append(result)
+        total, probes, b = result["total"], result["probes"], result["burst"]
+        counted = (result["server"]["metrics_success"] == total["answered"] == result["server"]["stats_success"])
+        rows.append([f"burst of {args.burst_requests} at once, {load.model}, {protocol}",
+                     f"--scenario burst --burst-requests {args.burst_requests}", total["sent"], total["answered"],
+                     total["refused"], total["lost"] + total["wrong"] + total["error"],
+                     f"probe refusal p50 {_ms(probes.get('refused_ms'))} / p99 {_ms(probes.get('refused_ms'), 'p99')} ms; "
+                     f"burst refusal p50 {_ms(b.get('refused_ms'))} ms",
+                     f"server successes = answered: {'yes' if counted else 'NO'} "
+                     f"({result['server']['metrics_success']}); failures counted {result['server']['metrics_failure']}"])
+    if "timeout" in args.scenario:
+        for protocol in PROTOCOLS:
+            result = queue_timeouts(config, protocol)
+            record.setdefault("timeout", []).append({k: v for k, v in result.items() if k != "outcomes"})
+            total = result["total"]
+            late = result["default_refusal_after_expiry_ms"] or {"min": float("nan"), "max": float("nan")}
+            rows.append([f"queue timeout 2 s (+50 ms and 5 s overrides), {protocol}", "--scenario timeout",
+                         total["sent"], total["answered"], f"{total['timed-out']} timed out",
+                         total["lost"] + total["wrong"] + total["error"],
+                         f"refused {late['min']:.0f} to {late['max']:.0f} ms after expiry; 50 ms override refused "
+                         f"after {result['override_50ms_refused_after_ms']:.0f} ms",
+                         f"5 s override capped at 2 s: {result['override_5s']['timed-out']} of 13 refused; server "
+                         f"failures (REJECTED) {result['server']['metrics_failure']}"])
+    if "readiness" in args.scenario:
+        result = readiness_under_overload(config)
+        record["readiness"] = result
+        seen = result["at_highest_pending"]
+        rows.append(["readiness while refusing (reliability_echo)", "--scenario readiness", result["sent"],
+                     result["answered"], result["refused"], result["lost"] + result["wrong"] + result["error"],
+                     f"refusal p50 {_ms(result.get('refused_ms'))} ms",
+                     f"/v2/health/ready {'200' if seen.get('server_ready_http') else 'not ready'} at "
+                     f"{seen['pending']:.0f} pending (threshold {result['overload_threshold']})"])
+    if "bad-input" in args.scenario:
+        for protocol in PROTOCOLS:
+            with MemorySampler(server) as memory:
+                results = bad_input_corpus(config, protocol)
+            record.setdefault("bad_input", []).append({"protocol": protocol, "cases": [asdict(r) for r in results],
+                                                        "memory_mib": [memory.start / MiB, memory.peak / MiB,
+                                                                       memory.end / MiB]})
+            answered = sum(r.kind == ANSWERED for r in results)
+            rows.append([f"bad-input corpus ({len(results)} cases), {protocol}", "--scenario bad-input", len(results),
+                         f"{answered} (valid odd images)", f"{len(results) - answered} as 4xx",
+                         sum(not r.ok for r in results),
+                         f"slowest {max(r.latency_s for r in results) * 1000:.0f} ms",
+                         f"RSS server+stubs {memory.start / MiB:.0f} -> peak {memory.peak / MiB:.0f} -> "
+                         f"{memory.end / MiB:.0f} MiB"])
+
+
+def run_faults(args, out_dir: Path, rows: list, record: dict) -> None:
+    from server.supervisor import Supervisor, SupervisorPolicy
+
+    policy = SupervisorPolicy(poll_interval_s=0.5, restart_drain_s=5.0)
+    if "stub-kill" in args.scenario:
+        config = config_on_free_ports(extra_model_repositories=(TEST_MODEL_REPOSITORY,))
+        with Supervisor(config, policy, log_path=out_dir / "tritonserver-stub-kill.log") as supervisor:
+            load = reference_answers(config, ensemble_load())
+            result = stub_kill(supervisor, ONNX_MODEL, load, protocol="grpc", after_recovery=20)
+            result["supervisor_events"] = [asdict(e) for e in supervisor.events]
+        record["stub_kill"] = result
+        total = result["total"]
+        rows.append(["SIGKILL of the resnet18_onnx stub under load (ensemble, gRPC), supervised",
+                     "--scenario stub-kill", total["sent"], total["answered"], f"{total['error']} failed",
+                     total["lost"] + total["wrong"], f"detected {result['detected_after_s']} s, answering again "
+                     f"{result['recovered_after_s']} s after the kill",
+                     f"{result['restarts']} restart; then {result['answered_in_a_row_at_end']} answered in a row"])
+    if "crash-request" in args.scenario:
+        config = config_on_free_ports(extra_model_repositories=(TEST_MODEL_REPOSITORY,))
+        with Supervisor(config, policy, log_path=out_dir / "tritonserver-crash.log") as supervisor:
+            with SteadyLoad(config, "grpc", reference_answers(config, onnx_load())) as steady:
+                time.sleep(2)
+                sent_at = time.monotonic()
+                reply = send_crashing_request(config, ECHO_MODEL)
+                deadline = time.monotonic() + policy.ready_timeout_s
+                while time.monotonic() < deadline and not (supervisor.restarts and supervisor.events[-1].kind == "ready"):
+                    time.sleep(0.1)
+                time.sleep(3)
+            after = [(t, o) for t, o in steady.outcomes if t > sent_at]
+            good = next((t for t, o in after if o.kind == ANSWERED and t > max(
+                [t2 for t2, o2 in after if o2.kind != ANSWERED] or [0])), None)
+            result = {"reply": reply, "restarts": supervisor.restarts, "total": summarize(
+                [o for _, o in steady.outcomes], steady.sent), "recovered_after_s": round(good - sent_at, 2) if good else None,
+                "supervisor_events": [asdict(e) for e in supervisor.events]}
+        record["crash_request"] = result
+        total = result["total"]
+        rows.append(["one HTTP/JSON request with shape [10^12, 4] (aborts Triton 2.51), supervised",
+                     "--scenario crash-request", total["sent"], total["answered"], f"{total['error']} failed",
+                     total["lost"] + total["wrong"], f"answering again {result['recovered_after_s']} s after it",
+                     f"{result['restarts']} restart (tritonserver exited on std::bad_alloc)"])
+    if "sigterm" in args.scenario:
+        result = sigterm_in_flight(MODEL_REPOSITORY, ONNX_MODEL, reference_answers_from_new_server(out_dir),
+                                   in_flight=args.sigterm_in_flight, exit_timeout_s=30,
+                                   log_path=out_dir / "serve-sigterm.log")
+        record["sigterm"] = result
+        after = result["after_sigterm"]
+        grpc_answered = sum(r["kind"] == ANSWERED for r in after if r["protocol"] == "grpc")
+        http_answered = sum(r["kind"] == ANSWERED for r in after if r["protocol"] == "http")
+        rows.append([f"SIGTERM to `python -m server` with {args.sigterm_in_flight} resnet18_onnx requests sent",
+                     "--scenario sigterm", result["in_flight"]["sent"], result["in_flight"]["answered"],
+                     result["in_flight"]["refused"], result["in_flight"]["lost"] + result["in_flight"]["error"],
+                     f"last accepted answered {result['last_in_flight_answered_after_sigterm_s']} s after SIGTERM; "
+                     f"exit {result['exit_s']} s (limit 30), status {result['exit_status']}",
+                     f"after SIGTERM: HTTP answered {http_answered} of {sum(r['protocol'] == 'http' for r in after)}, "
+                     f"gRPC answered {grpc_answered} of {sum(r['protocol'] == 'grpc' for r in after)}"])
+    if "security" in args.scenario:
+        import secrets
+
+        repository = repository_with([ECHO_MODEL], Path(tempfile.mkdtemp(dir=out_dir)) / "repository")
+        config = config_on_free_ports(model_repository=repository, admin_key=secrets.token_hex(16))
+        with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver-security.log"):
+            checks = restricted_api_checks(config)
+        record["security"] = checks
+        refused = [c for c in checks if not c["key"] and "open" not in c["api"]]
+        rows.append(["restricted APIs (model-repository, shared-memory, trace), admin key", "--scenario security",
+                     len(checks), sum(c["outcome"] == "OK" for c in checks),
+                     f"{sum(c['outcome'] != 'OK' for c in checks)} without key", 0,
+                     "-", "without key: " + ", ".join(sorted({c["outcome"].split(':')[0] for c in refused}))])
+
+
+def reference_answers_from_new_server(out_dir: Path) -> TensorLoad:
+    """Reference answers for onnx_load from a short-lived server (the SIGTERM scenario's own server is
+    the one being stopped)."""
+    config = config_on_free_ports()
+    with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver-reference.log"):
+        return reference_answers(config, onnx_load())
+
+
+TRITON_VERSION = "2.51.0"
+
+
+def cpu_steal_ticks() -> tuple[int, int]:
+    """(steal, total) CPU ticks of all cores from /proc/stat: steal is time the hypervisor gave this
+    VM's cores to others, the noise of a shared machine."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def markdown_table(rows: list[list]) -> str:
+    header = ["case", "`python -m bench.reliability` ...", "sent", "answered", "refused / failed", "lost",
+              "time to refuse / recover", "also"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.reliability", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--burst-requests", type=int, default=400,
+                        help="requests per burst (default 400: five times what the 64-request queue and a "
+                             "batch of 16 hold)")
+    parser.add_argument("--sigterm-in-flight", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = args.out / stamp
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from bench.machine import machine_info
+
+    record: dict = {"started": stamp, "machine": machine_info(TRITON_VERSION), "cpu_steal_share": None,
+                    "args": {k: str(v) for k, v in vars(args).items()}}
+    steal_before = cpu_steal_ticks()
+    rows: list[list] = []
+    if set(args.scenario) & {"burst", "timeout", "readiness", "bad-input"}:
+        config = config_on_free_ports(extra_model_repositories=(TEST_MODEL_REPOSITORY,))
+        with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver.log") as server:
+            run_overload(config, server, args, rows, record)
+    run_faults(args, out_dir, rows, record)
+    steal_after = cpu_steal_ticks()
+    record["cpu_steal_share"] = round((steal_after[0] - steal_before[0]) / max(1, steal_after[1] - steal_before[1]), 3)
+    table = markdown_table(rows)
+    record["table"] = table
+    (out_dir / "reliability.json").write_text(json.dumps(record, indent=1, default=str))
+    (out_dir / "reliability.md").write_text(table + "\n")
+    print(table)
+    print(f"\nCPU steal during the run: {record['cpu_steal_share']:.1%}; full record: {out_dir / 'reliability.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

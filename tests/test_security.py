@@ -78,7 +78,7 @@ def test_restricted_apis_refuse_requests_without_the_key_and_serve_those_with_it
 #: of 16+ letters and digits (a real key; placeholders such as "test-admin-key" or $VAR do not match).
 SECRET_PATTERNS = [
     re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
-    re.compile(r"(?i)(admin[-_]?key|api[-_]?key|secret|token|password)[\"']?\s*[:=]\s*[\"']?[A-Za-z0-9+/]{16,}"),
+    re.compile(r"(?i)(admin[-_]?key|api[-_]?key|secret|token|password)[\"']?[ \t]*[:=][ \t]*[\"']?[A-Za-z0-9+/]{16,}"),
     re.compile(r"AKIA[0-9A-Z]{16}"),  # AWS access key id
 ]
 

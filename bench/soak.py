@@ -1,0 +1,205 @@
+"""python -m bench.soak: a bounded soak run on loopback. Starts the embedded tritonserver, measures the
+`resnet18` ensemble's capacity (closed loop, 32 requests in flight, gRPC, the sample photos), then sends
+requests at `--load` (default 0.8) of that capacity as a Poisson process for `--minutes` (default 10)
+and checks every answer against the reference. Resident memory of tritonserver and of each Python-backend
+stub is sampled every 5 s.
+
+Reports requests sent / answered / failed / lost (lost = no outcome within 60 s), latency percentiles
+per minute, and memory at start, end and peak per process; passes (exit 0) when no request failed and
+the total resident memory grew less than `--memory-bound-mib` from start to end. Not part of the
+tests: it takes minutes. Figures in docs/reliability.md.
+
+    .venv/bin/python -m bench.soak                      # 10 minutes at 80 %
+    .venv/bin/python -m bench.soak --minutes 1 --load 0.5
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from bench.reliability import (ANSWERED, ERROR, HANG_BOUND_S, LOST, MiB, RESULTS_DIR, Outcome, _infer_input,
+                               _judge, classify_error, cpu_steal_ticks, ensemble_load, percentile,
+                               reference_answers, summarize)
+from server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+
+async def closed_loop(url: str, load, concurrency: int, duration_s: float) -> float:
+    """Answers per second with `concurrency` requests always in flight for `duration_s`."""
+    client = grpcaio.InferenceServerClient(url)
+    answered, stop_at = 0, time.monotonic() + duration_s
+    output = [grpcaio.InferRequestedOutput(load.output_name)]
+
+    async def worker(offset: int):
+        nonlocal answered
+        index = offset
+        while time.monotonic() < stop_at:
+            await client.infer(load.model, [_infer_input(grpcaio, load, index)], outputs=output)
+            answered += 1
+            index += concurrency
+
+    started = time.monotonic()
+    try:
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    finally:
+        await client.close()
+    return answered / (time.monotonic() - started)
+
+
+async def open_loop(url: str, load, rate_per_s: float, duration_s: float, max_in_flight: int,
+                    seed: int = 0) -> tuple[list[tuple[float, Outcome]], int]:
+    """Poisson arrivals at `rate_per_s` for `duration_s`; returns ((send time, outcome) per request,
+    times the in-flight bound delayed a send)."""
+    client = grpcaio.InferenceServerClient(url)
+    rng = random.Random(seed)
+    output = [grpcaio.InferRequestedOutput(load.output_name)]
+    results: list[tuple[float, Outcome]] = []
+    in_flight = asyncio.Semaphore(max_in_flight)
+    delayed = 0
+
+    async def one(index: int, sent_at: float):
+        try:
+            started = time.perf_counter()
+            try:
+                result = await asyncio.wait_for(
+                    client.infer(load.model, [_infer_input(grpcaio, load, index)], outputs=output,
+                                 request_id=str(index)), HANG_BOUND_S)
+                outcome = _judge(load, index, result, started)
+            except asyncio.TimeoutError:
+                outcome = Outcome(index, LOST, time.perf_counter() - started, message="no outcome (hung)")
+            except InferenceServerException as exc:
+                kind, status, message = classify_error(exc)
+                outcome = Outcome(index, kind, time.perf_counter() - started, status, message)
+            except Exception as exc:
+                outcome = Outcome(index, ERROR, time.perf_counter() - started, None, f"{type(exc).__name__}: {exc}")
+            results.append((sent_at, outcome))
+        finally:
+            in_flight.release()
+
+    tasks, origin, index = [], time.monotonic(), 0
+    next_at = origin
+    try:
+        while True:
+            next_at += rng.expovariate(rate_per_s)
+            if next_at - origin >= duration_s:
+                break
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            if in_flight.locked():
+                delayed += 1
+            await in_flight.acquire()
+            tasks.append(asyncio.ensure_future(one(index, time.monotonic() - origin)))
+            index += 1
+        await asyncio.gather(*tasks)
+    finally:
+        await client.close()
+    return results, delayed
+
+
+class MemoryLog:
+    """Resident memory per process of the server every `interval_s` on a thread."""
+
+    def __init__(self, server: EmbeddedTritonServer, interval_s: float = 5.0):
+        self.server, self.interval_s = server, interval_s
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._origin = time.monotonic()
+
+    def _run(self):
+        while True:
+            self.samples.append((round(time.monotonic() - self._origin, 1), self.server.resident_memory_bytes()))
+            if self._stop.wait(self.interval_s):
+                self.samples.append((round(time.monotonic() - self._origin, 1), self.server.resident_memory_bytes()))
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def report(self) -> dict:
+        names = sorted({name for _, sample in self.samples for name in sample})
+        per_process = {}
+        for name in names + ["total"]:
+            values = [sum(s.values()) if name == "total" else s.get(name, 0) for _, s in self.samples]
+            per_process[name] = {"start_mib": round(values[0] / MiB, 1), "end_mib": round(values[-1] / MiB, 1),
+                                 "peak_mib": round(max(values) / MiB, 1),
+                                 "growth_mib": round((values[-1] - values[0]) / MiB, 1)}
+        return per_process
+
+
+def per_minute(results: list[tuple[float, Outcome]]) -> list[dict]:
+    rows = []
+    minutes = int(max((t for t, _ in results), default=0) // 60) + 1
+    for minute in range(minutes):
+        chunk = [o for t, o in results if minute * 60 <= t < (minute + 1) * 60]
+        latencies = sorted(o.latency_s * 1000 for o in chunk if o.kind == ANSWERED)
+        rows.append({"minute": minute + 1, "sent": len(chunk), "answered": sum(o.kind == ANSWERED for o in chunk),
+                     "failed": sum(o.kind != ANSWERED for o in chunk),
+                     "p50_ms": round(percentile(latencies, 50), 1), "p99_ms": round(percentile(latencies, 99), 1)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity (default 0.8)")
+    parser.add_argument("--capacity-s", type=float, default=30.0, help="seconds of the capacity measurement")
+    parser.add_argument("--max-in-flight", type=int, default=256)
+    parser.add_argument("--memory-bound-mib", type=float, default=64.0,
+                        help="allowed growth of the total resident memory from start to end (default 64 MiB)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    out_dir = args.out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = config_on_free_ports()
+    with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver.log") as server:
+        load = reference_answers(config, ensemble_load())
+        print(f"soak: measuring capacity ({args.capacity_s:.0f} s, 32 in flight, gRPC, ensemble)", flush=True)
+        capacity = asyncio.run(closed_loop(config.grpc_url, load, 32, args.capacity_s))
+        rate = capacity * args.load
+        print(f"soak: capacity {capacity:.1f} req/s; sending {rate:.1f} req/s for {args.minutes:g} min", flush=True)
+        steal_before = cpu_steal_ticks()
+        with MemoryLog(server) as memory:
+            results, delayed = asyncio.run(open_loop(config.grpc_url, load, rate, args.minutes * 60,
+                                                     args.max_in_flight))
+        steal_after = cpu_steal_ticks()
+    outcomes = [o for _, o in results]
+    summary = summarize(outcomes, len(outcomes))
+    failed = len(outcomes) - summary[ANSWERED]
+    mem = memory.report()
+    record = {"capacity_per_s": round(capacity, 2), "load": args.load, "rate_per_s": round(rate, 2),
+              "minutes": args.minutes, "summary": summary, "failed": failed, "sends_delayed_by_bound": delayed,
+              "per_minute": per_minute(results), "memory": mem, "memory_samples": memory.samples,
+              "cpu_steal_share": round((steal_after[0] - steal_before[0]) / max(1, steal_after[1] - steal_before[1]), 3),
+              "failures": [o.__dict__ for o in outcomes if o.kind != ANSWERED][:50]}
+    (out_dir / "soak.json").write_text(json.dumps(record, indent=1, default=str))
+    print(f"\nsoak: {summary['sent']} sent, {summary[ANSWERED]} answered, {failed} failed, {summary[LOST]} lost; "
+          f"latency p50 {summary.get('answered_ms', {}).get('p50')} ms, p99 {summary.get('answered_ms', {}).get('p99')} ms; "
+          f"CPU steal {record['cpu_steal_share']:.1%}")
+    for row in record["per_minute"]:
+        print(f"  minute {row['minute']:>2}: sent {row['sent']:>5}, answered {row['answered']:>5}, failed "
+              f"{row['failed']}, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms")
+    print("resident memory (MiB): process: start -> end (peak)")
+    for name, figures in mem.items():
+        print(f"  {name:<28} {figures['start_mib']:>8} -> {figures['end_mib']:>8} ({figures['peak_mib']})")
+    ok = failed == 0 and mem["total"]["growth_mib"] < args.memory_bound_mib
+    print(f"soak: {'PASS' if ok else 'FAIL'} (zero failed requests; total memory growth "
+          f"{mem['total']['growth_mib']} MiB < {args.memory_bound_mib:g} MiB); record: {out_dir / 'soak.json'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
