@@ -168,10 +168,17 @@ def cmd_profile(args) -> int:
 
 def cmd_validate(args) -> int:
     from planner.measure import measure_profile, server_ceiling_from_bench
-    from planner.validate import format_table, validate_config
+    from planner.validate import add_predictions, format_table, validate_config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.predict_only:
+        profile = Profile.load(args.profile or out / f"profile-{args.model}.json")
+        rows = add_predictions(json.loads((out / "validation.json").read_text()), profile)
+        (out / "validation.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
+        (out / "validation.md").write_text(format_table(rows) + "\n")
+        print(format_table(rows))
+        return 0
     if args.profile:
         profile = Profile.load(args.profile)
     else:
@@ -185,6 +192,8 @@ def cmd_validate(args) -> int:
         rows += validate_config(args.model, name, profile, tuple(args.fractions), out, args.requests_per_level,
                                 args.min_level_s)
         (out / "validation.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
+    rows = add_predictions(rows, profile)
+    (out / "validation.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
     table = format_table(rows)
     (out / "validation.md").write_text(table + "\n")
     print(table)
@@ -263,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.7, 0.95])
             p.add_argument("--requests-per-level", type=int, default=400)
             p.add_argument("--min-level-s", type=float, default=10.0, help="at least this long per level")
+            p.add_argument("--predict-only", action="store_true",
+                           help="no server: predict again from <out>/validation.json and the profile")
             p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("scale", help="replicas for 1k..1M infer/s")

@@ -41,6 +41,9 @@ from planner.pbtxt import load_config, planned_config, write_config
 from planner.profile import BatchTiming, Profile
 from server.embedded import EmbeddedTritonServer, config_on_free_ports, library_path
 
+#: Responses per instance left out of the profile at the start of each batch size's run.
+WARMUP_RESPONSES = 2
+
 _DTYPE_BYTES = {"TYPE_FP32": 4, "TYPE_FP16": 2, "TYPE_FP64": 8, "TYPE_INT32": 4, "TYPE_INT64": 8,
                 "TYPE_UINT8": 1, "TYPE_INT8": 1, "TYPE_BOOL": 1}
 
@@ -139,13 +142,16 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
             timings[instances] = {}
             for batch in batch_sizes:
                 concurrency = 2 * instances
-                requests = instances * (executions + 2)
+                requests = instances * (executions + WARMUP_RESPONSES + 1)
                 before = model_statistics(http, model)
                 began = time.monotonic()
                 record = run_fixed_batch(url, model, batch, concurrency, requests, level_dir / f"b{batch}", row_bytes)
                 stats = statistics_delta(before, model_statistics(http, model))
-                cycle_s = instances * batch / record["throughput"]
-                gaps = np.diff(record["responses_s"])[2:]  # skip the start-up responses
+                # Steady state: the gaps between consecutive responses after the first WARMUP_RESPONSES
+                # (first executions of a shape are slower: allocations). n instances complete one request
+                # every cycle / n on average.
+                gaps = np.diff(record["responses_s"])[WARMUP_RESPONSES * instances:]
+                cycle_s = instances * float(gaps.mean()) if gaps.size else instances * batch / record["throughput"]
                 std_s = float(np.std(gaps)) if instances == 1 and gaps.size > 2 else float("nan")
                 timings[instances][batch] = BatchTiming(cycle_s * 1e3, std_s * 1e3, stats["execution_count"])
                 server_exec_ms = (stats["compute_input_us"] + stats["compute_infer_us"]

@@ -41,10 +41,17 @@ _COMPLETE, _TIMER, _SWEEP, _WAKE = 0, 1, 2, 3
 
 @dataclass(frozen=True)
 class LostWakeup:
-    """Triton 2.51's lost wake-up, as an explicit and separately reported model: a request that reaches
-    an empty queue while an instance is idle is, with `probability`, not seen by the batcher until its
-    timed wait ends (the batcher re-checks every BATCHER_IDLE_WAIT_S from the moment it went idle).
-    The probability is measured (docs/capacity.md), never fitted to a validation level."""
+    """Triton 2.51's lost wake-up, as an explicit and separately reported model.
+
+    In r24.10 an instance thread notifies the batcher when an execution ends (Payload::Execute calls
+    the payload's callback) *before* it registers again as a waiting consumer (RateLimiter::
+    DequeuePayload increments the count and notifies nobody). A batcher that wakes in between finds no
+    free instance and sleeps in WaitForPayloadSlotAvailable for up to 500 ms; the next request's
+    Enqueue (which notifies once a consumer waits) or another instance's completion wakes it earlier.
+    Modelled as: when an execution ends with requests waiting, with `probability` the batcher misses
+    it and forms nothing until the next arrival, the next completion, or `idle_wait_s` later.
+    The probability is measured from Triton's request trace (planner/validate.py), never fitted to
+    the level it predicts."""
 
     probability: float
     idle_wait_s: float = BATCHER_IDLE_WAIT_S
@@ -128,8 +135,7 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
     idle = instances
     timer_generation = sweep_generation = 0
     sweep_pending = False
-    stalled_until = -inf  # LostWakeup: the batcher is asleep and did not see the newest request
-    batcher_idle_since = 0.0
+    stalled_until = -inf  # LostWakeup: the batcher missed a free instance and sleeps until then
     latencies = np.full(n, np.nan)
     queued = np.full(n, np.nan)
     refused = timed_out = stalls = 0
@@ -162,7 +168,7 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
         timed_out += sum(1 for r in expired if r.index >= first_measured)
 
     def dispatch(now: float) -> None:
-        nonlocal timer_generation, sweep_pending, sweep_generation, batcher_idle_since
+        nonlocal timer_generation, sweep_pending, sweep_generation
         if now < stalled_until:
             return
         while queue and idle:
@@ -177,9 +183,7 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
                 timer_generation += 1
                 push(decision.wake_s, _TIMER, timer_generation)
                 break
-        if not queue:
-            batcher_idle_since = now
-        elif not idle and has_deadlines and not sweep_pending:
+        if queue and not idle and has_deadlines and not sweep_pending:
             sweep_pending = True
             sweep_generation += 1
             push(now + BATCHER_IDLE_WAIT_S, _SWEEP, sweep_generation)
@@ -198,7 +202,11 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
                     if r.index >= first_measured:
                         latencies[r.index] = now - r.arrival_s
                         queued[r.index] = r.start_s - r.arrival_s
-                stalled_until = -inf  # the payload's release callback notifies the batcher
+                stalled_until = -inf  # a completion's callback wakes the batcher
+                if lost_wakeup and queue and rng.random() < lost_wakeup.probability:
+                    stalled_until = now + lost_wakeup.idle_wait_s
+                    stalls += sum(1 for r in queue if r.index >= first_measured) > 0
+                    push(stalled_until, _WAKE)
             elif kind == _TIMER and payload != timer_generation:
                 continue
             elif kind == _SWEEP:
@@ -215,16 +223,8 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
             if max_queue and len(queue) >= max_queue:
                 refused += int(i >= first_measured)
             else:
-                was_empty = not queue
                 queue.append(Request(i, now, int(sizes[i]), deadlines[i]))
-                if (lost_wakeup and was_empty and idle and now >= stalled_until
-                        and rng.random() < lost_wakeup.probability):
-                    cycles = np.floor((now - batcher_idle_since) / lost_wakeup.idle_wait_s) + 1
-                    stalled_until = batcher_idle_since + cycles * lost_wakeup.idle_wait_s
-                    stalls += int(i >= first_measured)
-                    push(stalled_until, _WAKE)
-                elif now < stalled_until:
-                    stalled_until = -inf  # a later request's notification gets through
+                stalled_until = -inf  # Enqueue notifies the batcher once a consumer waits
                 dispatch(now)
             i += 1
 

@@ -26,6 +26,7 @@ from bench.perf_analyzer import LoadSpec, run_level
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY
 from planner.arrivals import Poisson
+from planner.batcher import BatcherConfig, QueuePolicy
 from planner.pbtxt import batcher_from_config, instance_count, load_config
 from planner.profile import Profile
 from planner.search import device_capacity_rps
@@ -33,6 +34,8 @@ from planner.simulator import LostWakeup, simulate
 from server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 LOGITS_BYTES = 1000 * 4
+#: Queue-time histogram bins of the trace summary, milliseconds.
+QUEUE_BINS_MS = [0, 5, 10, 25, 50, 100, 200, 400, 600, 1000, 1e9]
 #: Pause between levels, so the trace can be split into levels by the gaps in its queue times.
 LEVEL_GAP_S = 3.0
 
@@ -70,17 +73,60 @@ def read_traces(trace_file: Path, model: str) -> list[dict[str, int]]:
     return sorted(requests, key=lambda r: r["QUEUE_START"])
 
 
-def split_levels(requests: list[dict], levels: int) -> list[list[dict]]:
-    """Cut the time-sorted traced requests at the `levels - 1` largest gaps between arrivals."""
-    if levels <= 1 or len(requests) < levels:
-        return [requests]
+def split_levels(requests: list[dict], counts: list[int]) -> list[list[dict]]:
+    """Cut the time-sorted traced requests into levels of `counts` requests: at the largest gaps between
+    arrivals (the LEVEL_GAP_S pauses) when that gives the expected sizes, else by count from the end
+    (anything before the first level, e.g. traced warmup, is left out)."""
+    levels = len(counts)
+    if len(requests) < sum(counts):
+        return [[] for _ in counts]
     starts = np.array([r["QUEUE_START"] for r in requests])
-    cuts = sorted(np.argsort(np.diff(starts))[-(levels - 1):] + 1)
-    return [requests[a:b] for a, b in zip([0, *cuts], [*cuts, len(requests)])]
+    cuts = sorted(np.argsort(np.diff(starts))[-(levels - 1):] + 1) if levels > 1 else []
+    parts = [requests[a:b] for a, b in zip([0, *cuts], [*cuts, len(requests)])]
+    if [len(p) for p in parts] == list(counts):
+        return parts
+    tail = requests[len(requests) - sum(counts):]
+    bounds = np.cumsum([0, *counts])
+    return [tail[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def trace_summary(requests: list[dict], stall_threshold_s: float = 0.4) -> dict:
-    """Queue-time distribution of one level's traced requests, and the idle-instance part of each wait.
+def missed_wakeups(requests: list[dict], batcher: BatcherConfig, tolerance_s: float = 0.003) -> dict:
+    """How often the batcher did not start the next batch when the documented rules say it must (one
+    instance): at each execution end with requests waiting, the rules start the next batch at once if
+    a preferred size is queued or the oldest waiting request is max_queue_delay old, else when it gets
+    that old. A start more than `tolerance_s` later is a missed wake-up; each is classed by what ended it.
+
+    Returns {"busy_completions", "missed", "probability", "rescued_by_arrival", "extra_wait_ms_p50",
+    "extra_wait_ms_max"}.
+    """
+    executions = sorted({(r["COMPUTE_START"], r.get("COMPUTE_END", r["COMPUTE_START"])) for r in requests})
+    queue_starts = np.array(sorted(r["QUEUE_START"] for r in requests)) / 1e9
+    by_request = sorted(((r["QUEUE_START"] / 1e9, r["COMPUTE_START"] / 1e9) for r in requests))
+    delay_s = batcher.max_queue_delay_us / 1e6
+    busy = missed = rescued = 0
+    extra = []
+    for (_, end_ns), (next_start_ns, _) in zip(executions, executions[1:]):
+        end, next_start = end_ns / 1e9, next_start_ns / 1e9
+        waiting = [q for q, c in by_request if q < end and c >= end]
+        if not waiting:
+            continue
+        busy += 1
+        due = end if (len(waiting) >= min(batcher.preferred) or min(waiting) + delay_s <= end) \
+            else min(waiting) + delay_s
+        if next_start - due > tolerance_s:
+            missed += 1
+            extra.append(next_start - due)
+            arrivals = queue_starts[(queue_starts > due) & (queue_starts <= next_start)]
+            rescued += int(arrivals.size > 0 and next_start - arrivals[-1] <= tolerance_s)
+    return {"busy_completions": busy, "missed": missed, "probability": missed / busy if busy else 0.0,
+            "rescued_by_arrival": rescued,
+            "extra_wait_ms_p50": float(np.median(extra) * 1e3) if extra else 0.0,
+            "extra_wait_ms_max": float(max(extra) * 1e3) if extra else 0.0}
+
+
+def trace_summary(requests: list[dict], batcher: BatcherConfig, stall_threshold_s: float = 0.4) -> dict:
+    """Queue-time distribution of one level's traced requests, the idle-instance part of each wait,
+    and the missed wake-ups (`missed_wakeups`).
 
     idle wait: the part of a request's queue time during which no execution was running (computed from
     the executions' COMPUTE_START..COMPUTE_END intervals; exact with one instance).
@@ -107,7 +153,8 @@ def trace_summary(requests: list[dict], stall_threshold_s: float = 0.4) -> dict:
         "stalled": int((queue_s > stall_threshold_s).sum()),
         "stalled_idle": int((idle_s > stall_threshold_s).sum()),
         "idle_wait_p99_ms": float(np.percentile(idle_s, 99) * 1e3),
-        "queue_hist_ms": np.histogram(queue_s * 1e3, bins=[0, 5, 10, 25, 50, 100, 200, 400, 600, 1000, 1e9])[0].tolist(),
+        "queue_hist_ms": np.histogram(queue_s * 1e3, bins=QUEUE_BINS_MS)[0].tolist(),
+        "missed_wakeups": missed_wakeups(requests, batcher),
     }
 
 
@@ -136,7 +183,8 @@ def predict(rate_rps: float, batcher, profile: Profile, instances: int, requests
 
 def validate_config(model: str, name: str, profile: Profile, fractions: tuple[float, ...], out_dir: Path,
                     requests_per_level: int, min_level_s: float, progress=print) -> list[dict]:
-    """Run every fraction of one config's capacity; return one row per level (see module doc)."""
+    """Run every fraction of one config's capacity; return one row per level with what was measured
+    (predictions: `add_predictions`)."""
     config = load_config(config_path(model, name))
     batcher, instances = batcher_from_config(config), instance_count(config)
     capacity = device_capacity_rps(profile, batcher, instances)
@@ -166,48 +214,103 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
                          "requests": count, "wall_s": wall_s, "measured": asdict(row), "server": stats,
                          "cpu_steal": (steal_b - steal_a) / max(1, total_b - total_a),
                          "perf_analyzer_delayed": delayed, "batcher": batcher.describe(),
-                         "instances": instances, "level_dir": str(level_dir)})
+                         "batcher_config": asdict(batcher), "instances": instances,
+                         "level_dir": str(level_dir)})
             progress(f"  {fraction:.0%} = {rate:g} req/s: {row.throughput:.1f} infer/s, p50 "
                      f"{row.p50_us / 1e3:.1f} ms, p99 {row.p99_us / 1e3:.1f} ms, batch {stats['average_batch']:.2f}"
                      f"{'  [' + delayed + ']' if delayed else ''}")
             time.sleep(LEVEL_GAP_S)
-    traced = split_levels(read_traces(trace_file, model), len(fractions))
-    for row, level in zip(rows, traced if len(traced) == len(rows) else [[]] * len(rows)):
-        row["trace"] = trace_summary(level)
-    for row in rows:
-        row["predicted"] = predict(row["rate_rps"], batcher, profile, instances)
+    traced = split_levels(read_traces(trace_file, model), [row["requests"] for row in rows])
+    for row, level in zip(rows, traced):
+        row["trace"] = trace_summary(level, batcher)
+    return rows
+
+
+def row_batcher(row: dict) -> BatcherConfig:
+    """The BatcherConfig a validation row was measured with (stored as a dict in validation.json)."""
+    fields = dict(row["batcher_config"])
+    fields["queue"] = QueuePolicy(**fields["queue"])
+    fields["preferred_batch_sizes"] = tuple(fields["preferred_batch_sizes"])
+    return BatcherConfig(**fields)
+
+
+def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
+    """Predict every measured level (module doc): "predicted" (Poisson, steady state), "predicted_replay"
+    (perf_analyzer's own send times, from an empty server, as measured), and the same two with the
+    lost wake-up modelled ("..._lw") at the probability measured on the OTHER levels' traces
+    (leave-one-out: a level's own trace never feeds its prediction)."""
+    for i, row in enumerate(rows):
+        batcher, instances = row_batcher(row), row["instances"]
+        others = [r["trace"]["missed_wakeups"] for j, r in enumerate(rows)
+                  if j != i and (r.get("trace") or {}).get("missed_wakeups")]
+        busy = sum(o["busy_completions"] for o in others)
+        probability = sum(o["missed"] for o in others) / busy if busy else 0.0
         sends = send_times_s(Path(row["level_dir"]) / "profile.json")
-        row["predicted_replay"] = predict(row["rate_rps"], batcher, profile, instances, arrivals_s=sends) \
-            if sends.size > 10 else {}
+        row["lost_wakeup_probability"] = probability
+        for suffix, lost_wakeup in (("", None), ("_lw", LostWakeup(probability))):
+            row["predicted" + suffix] = predict(row["rate_rps"], batcher, profile, instances,
+                                                lost_wakeup=lost_wakeup)
+            row["predicted_replay" + suffix] = predict(row["rate_rps"], batcher, profile, instances,
+                                                       arrivals_s=sends, lost_wakeup=lost_wakeup) \
+                if sends.size > 10 else {}
     return rows
 
 
 def errors(row: dict, key: str = "predicted") -> dict:
-    """Relative error of the prediction vs the measurement: throughput, p50, p99 (fractions, signed)."""
-    m, p = row["measured"], row[key]
+    """Relative error of a prediction vs the measurement: throughput, p50, p99 (fractions, signed)."""
+    m, p = row["measured"], row.get(key) or {}
     if not p:
         return {}
     return {"throughput": p["throughput_rps"] / m["throughput"] - 1,
             "p50": p["p50_ms"] / (m["p50_us"] / 1e3) - 1, "p99": p["p99_ms"] / (m["p99_us"] / 1e3) - 1}
 
 
+def within_target(row: dict, key: str) -> bool:
+    """The issue's target: throughput within 10% and p99 within 25% of the measurement."""
+    e = errors(row, key)
+    return bool(e) and abs(e["throughput"]) <= 0.10 and abs(e["p99"]) <= 0.25
+
+
 def format_table(rows: list[dict]) -> str:
-    """The validation table (Markdown)."""
+    """The validation tables (Markdown): predicted vs measured, and what the trace shows."""
+    def cell(m: float, p: float) -> str:
+        return f"{m:.1f} / {p:.1f} ({p / m - 1:+.0%})"
+
     lines = ["| config | load | rate req/s | throughput meas / pred | p50 ms meas / pred | p99 ms meas / pred "
-             "| p99 pred (replayed sends) | batch meas / pred | queue >400 ms (idle instance) | within target |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| p99 pred, measured sends | target met (steady / sends) |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         m, p, r = row["measured"], row["predicted"], row.get("predicted_replay") or {}
-        e = errors(row)
-        ok = abs(e["throughput"]) <= 0.10 and abs(e["p99"]) <= 0.25
-        trace = row.get("trace") or {}
         lines.append(
             f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} "
-            f"| {m['throughput']:.1f} / {p['throughput_rps']:.1f} ({e['throughput']:+.0%}) "
-            f"| {m['p50_us'] / 1e3:.1f} / {p['p50_ms']:.1f} ({e['p50']:+.0%}) "
-            f"| {m['p99_us'] / 1e3:.1f} / {p['p99_ms']:.1f} ({e['p99']:+.0%}) "
-            f"| {r.get('p99_ms', float('nan')):.1f} "
-            f"| {row['server']['average_batch']:.2f} / {p['average_batch']:.2f} "
-            f"| {trace.get('stalled', '?')} ({trace.get('stalled_idle', '?')}) of {trace.get('requests', '?')} "
-            f"| {'yes' if ok else 'NO'} |")
+            f"| {cell(m['throughput'], p['throughput_rps'])} | {cell(m['p50_us'] / 1e3, p['p50_ms'])} "
+            f"| {cell(m['p99_us'] / 1e3, p['p99_ms'])} "
+            f"| {r.get('p99_ms', float('nan')):.1f} ({errors(row, 'predicted_replay').get('p99', float('nan')):+.0%}) "
+            f"| {'yes' if within_target(row, 'predicted') else 'NO'} / "
+            f"{'yes' if within_target(row, 'predicted_replay') else 'NO'} |")
+    lines += ["", "With Triton 2.51's lost wake-up modelled (probability from the other levels' traces):", "",
+              "| config | load | P(missed) used | p50 ms meas / pred | p99 ms meas / pred | p99 pred, measured sends "
+              "| target met (steady / sends) |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        m, p, r = row["measured"], row.get("predicted_lw") or {}, row.get("predicted_replay_lw") or {}
+        if not p:
+            continue
+        lines.append(
+            f"| {row['config']} | {row['fraction']:.0%} | {row['lost_wakeup_probability']:.2f} "
+            f"| {cell(m['p50_us'] / 1e3, p['p50_ms'])} | {cell(m['p99_us'] / 1e3, p['p99_ms'])} "
+            f"| {r.get('p99_ms', float('nan')):.1f} ({errors(row, 'predicted_replay_lw').get('p99', float('nan')):+.0%}) "
+            f"| {'yes' if within_target(row, 'predicted_lw') else 'NO'} / "
+            f"{'yes' if within_target(row, 'predicted_replay_lw') else 'NO'} |")
+    lines += ["", "What Triton's trace shows (every request of the level):", "",
+              "| config | load | batch meas / pred | queue p50 / p99 ms (trace) | queued > 400 ms "
+              "(with the instance idle) | missed wake-ups / busy completions (rescued by an arrival) "
+              "| CPU steal | perf_analyzer |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        t, mw = row.get("trace") or {}, (row.get("trace") or {}).get("missed_wakeups") or {}
+        lines.append(
+            f"| {row['config']} | {row['fraction']:.0%} | {row['server']['average_batch']:.2f} / "
+            f"{row['predicted']['average_batch']:.2f} | {t.get('queue_p50_ms', float('nan')):.1f} / "
+            f"{t.get('queue_p99_ms', float('nan')):.1f} | {t.get('stalled', '?')} ({t.get('stalled_idle', '?')}) "
+            f"of {t.get('requests', '?')} | {mw.get('missed', '?')} / {mw.get('busy_completions', '?')} "
+            f"({mw.get('rescued_by_arrival', '?')}) | {row.get('cpu_steal', 0):.1%} "
+            f"| {row['perf_analyzer_delayed'] or 'kept the rate'} |")
     return "\n".join(lines)

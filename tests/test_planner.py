@@ -139,14 +139,19 @@ def test_overhead_is_added_to_every_latency():
     assert np.allclose(result.latencies_s, 0.0107)
 
 
-def test_lost_wakeup_model_holds_a_lone_request_until_the_batchers_timed_wait_ends():
-    profile = constant_profile(10.0, 1)
+def test_lost_wakeup_model_holds_the_queue_until_the_next_arrival_or_500_ms():
+    profile = constant_profile(100.0, 1)
     config = BatcherConfig(max_batch_size=1)
-    normal = simulate(np.array([0.3]), config, profile, warmup_fraction=0.0)
-    stalled = simulate(np.array([0.3]), config, profile, warmup_fraction=0.0, lost_wakeup=LostWakeup(1.0))
-    assert normal.latencies_s[0] == pytest.approx(0.010)
-    assert stalled.latencies_s[0] == pytest.approx(0.5 - 0.3 + 0.010)  # asleep since t=0, wakes at 0.5 s
-    assert stalled.stalls == 1
+    arrivals = np.array([0.0, 0.05, 1.0, 1.05, 1.3])
+    normal = simulate(arrivals, config, profile, warmup_fraction=0.0, exec_noise=False)
+    stalled = simulate(arrivals, config, profile, warmup_fraction=0.0, exec_noise=False,
+                       lost_wakeup=LostWakeup(1.0))
+    assert np.round(normal.latencies_s * 1e3).tolist() == [100, 150, 100, 150, 100]
+    # Request 1 waits through the first execution; the batcher misses the free instance at 0.1 s and
+    # no request comes to wake it: its 500 ms wait ends at 0.6 s. Request 3 is rescued by the
+    # arrival of request 4 at 1.3 s; request 4, queued when request 3 ends at 1.4 s, waits to 1.9 s.
+    assert np.round(stalled.latencies_s * 1e3).tolist() == [100, 650, 100, 350, 700]
+    assert stalled.stalls == 3
 
 
 # -- the worked example -----------------------------------------------------------------------------------
@@ -263,3 +268,30 @@ def test_plan_command_writes_a_servable_config_outside_the_model_repository(tmp_
     config = load_config(written)
     assert config.name == "resnet18_onnx" and config.max_batch_size in (8, 16)
     assert not (MODEL_REPOSITORY / "resnet18_onnx" / "configs" / "planned_test.pbtxt").exists()
+
+
+# -- reading Triton's request trace (validation) ------------------------------------------------------------
+
+def test_trace_summary_finds_requests_left_waiting_by_a_missed_wakeup(tmp_path):
+    from planner.validate import read_traces, split_levels, trace_summary
+
+    ms = 1_000_000
+    # (queue start, compute start, compute end) in ms; one instance, no queue delay, batches of up to 4.
+    requests = [(0, 0, 100), (50, 100, 200),       # queued during an execution, started at its end
+                (150, 700, 800),                   # queued at 150, instance free at 200, started 700: stall
+                (900, 900, 1000), (950, 1201, 1300), (1200, 1201, 1300)]  # stall rescued by an arrival
+    entries = []
+    for i, (q, c, e) in enumerate(requests, start=1):
+        entries.append({"id": i, "model_name": "m", "model_version": 1})
+        entries.append({"id": i, "timestamps": [{"name": "QUEUE_START", "ns": q * ms},
+                                                {"name": "COMPUTE_START", "ns": c * ms},
+                                                {"name": "COMPUTE_END", "ns": e * ms}]})
+    (tmp_path / "trace.json.0").write_text(json.dumps(entries))
+    traced = read_traces(tmp_path / "trace.json", "m")
+    assert len(traced) == 6
+    (level,) = split_levels(traced, [6])
+    summary = trace_summary(level, BatcherConfig(max_batch_size=4))
+    assert summary["stalled"] == 1 and summary["stalled_idle"] == 1  # the 550 ms wait, 500 ms of it idle
+    missed = summary["missed_wakeups"]
+    assert (missed["busy_completions"], missed["missed"], missed["rescued_by_arrival"]) == (3, 2, 1)
+    assert missed["extra_wait_ms_max"] == pytest.approx(500.0)
