@@ -61,7 +61,7 @@ class LoadSpec:
     output_shm_bytes: int = 0
     measurement_ms: int = 3000
     stability_pct: int = 20
-    max_trials: int = 6
+    max_trials: int = 5
     async_mode: bool = False
     fallback_request_count: int = 0
     request_count: int = 0
