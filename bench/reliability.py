@@ -67,7 +67,6 @@ class Outcome:
     latency_s: float
     status: str | None = None
     message: str = ""
-    probe: bool = False
 
 
 def classify_error(exc: InferenceServerException) -> tuple[str, str | None, str]:
@@ -233,13 +232,13 @@ def reference_answers(config: ServerConfig, load: TensorLoad) -> TensorLoad:
     return load
 
 
-def _judge(load: TensorLoad, index: int, result, started: float, probe: bool = False) -> Outcome:
+def _judge(load: TensorLoad, index: int, result, started: float) -> Outcome:
     latency = time.perf_counter() - started
     if response_id(result) != str(index):
-        return Outcome(index, WRONG, latency, message=f"response id {response_id(result)!r}", probe=probe)
+        return Outcome(index, WRONG, latency, message=f"response id {response_id(result)!r}")
     if not load.correct(index, result.as_numpy(load.output_name)):
-        return Outcome(index, WRONG, latency, message="values differ from the reference", probe=probe)
-    return Outcome(index, ANSWERED, latency, probe=probe)
+        return Outcome(index, WRONG, latency, message="values differ from the reference")
+    return Outcome(index, ANSWERED, latency)
 
 
 async def _send_all(url: str, protocol: str, load: TensorLoad, indices: range,
@@ -290,10 +289,10 @@ def _probe(url: str, protocol: str, load: TensorLoad, first_index: int, stop: th
             try:
                 result = client.infer(load.model, [request], outputs=[module.InferRequestedOutput(load.output_name)],
                                        request_id=str(index))
-                outcomes.append(_judge(load, index, result, started, probe=True))
+                outcomes.append(_judge(load, index, result, started))
             except InferenceServerException as exc:
                 kind, status, message = classify_error(exc)
-                outcomes.append(Outcome(index, kind, time.perf_counter() - started, status, message, probe=True))
+                outcomes.append(Outcome(index, kind, time.perf_counter() - started, status, message))
             index += 1
             stop.wait(interval_s)
     finally:
@@ -315,53 +314,93 @@ class BurstResult:
         return len(self.outcomes)
 
     def summary(self) -> dict:
-        burst = summarize([o for o in self.outcomes if not o.probe], sum(not o.probe for o in self.outcomes))
-        probes = summarize([o for o in self.outcomes if o.probe], sum(o.probe for o in self.outcomes))
-        total = summarize(self.outcomes, self.sent)
         return {"protocol": self.protocol, "model": self.model, "wall_s": round(self.wall_s, 2),
-                "total": total, "burst": burst, "probes": probes, "server": self.server,
+                "total": summarize(self.outcomes, self.sent), "server": self.server,
                 "failure_reasons": self.failure_reasons}
 
 
-def burst(config: ServerConfig, protocol: str, load: TensorLoad, requests: int, probes: int = 3,
-          probe_interval_s: float = 0.01, queued_model: str | None = None) -> BurstResult:
+def burst(config: ServerConfig, protocol: str, load: TensorLoad, requests: int) -> BurstResult:
     """Send `requests` requests at once to `load.model`, classify every outcome, and read the server's
-    counts before and after.
-
-    Probes: once the queue of `queued_model` (default `load.model`; for the ensemble, the step that
-    refuses) is full (server.overload's threshold), `probes` threads each send single requests one after another until the burst is
-    over. A probe refused meets a full queue alone on the wire, so its latency is the server's time to
-    refuse; a burst request's refusal also waits for the whole burst to be received.
-    """
-    from server.overload import PENDING_GAUGE, queue_limits
-
+    counts before and after. A burst request's refusal waits until the server has read the burst; the
+    server's own time to refuse is `refusal_latency`'s measure."""
     url = config.http_url if protocol == "http" else config.grpc_url
-    queued_model = queued_model or load.model
-    limit = queue_limits((MODEL_REPOSITORY, TEST_MODEL_REPOSITORY))[queued_model].overload_threshold
-    before, reasons_before = server_counts(config, load.model), failure_reasons(config, load.model)
-    stop, probe_outcomes = threading.Event(), []
-
-    def probe(first_index: int):
-        while not stop.is_set() and model_counters(config.metrics_url, queued_model).get(PENDING_GAUGE, 0) < limit:
-            time.sleep(0.005)
-        probe_outcomes.extend(_probe(url, protocol, load, first_index, stop, probe_interval_s))
-
-    probers = [threading.Thread(target=probe, args=(requests + 100_000 * (k + 1),), daemon=True)
-               for k in range(probes)]
+    # settled: the counters of requests answered just before (reference answers) may still be moving
+    before, reasons_before = settled_counts(config, load.model), failure_reasons(config, load.model)
     started = time.perf_counter()
-    for prober in probers:
-        prober.start()
-    try:
-        outcomes = asyncio.run(_send_all(url, protocol, load, range(requests)))
-    finally:
-        stop.set()
-        for prober in probers:
-            prober.join(HANG_BOUND_S)
+    outcomes = asyncio.run(_send_all(url, protocol, load, range(requests)))
     wall = time.perf_counter() - started
-    outcomes += probe_outcomes
     after = settled_counts(config, load.model)
     reasons = {k: int(v - reasons_before.get(k, 0.0)) for k, v in failure_reasons(config, load.model).items()}
     return BurstResult(protocol, load.model, outcomes, delta(before, after), reasons, wall)
+
+
+def refusal_latency(config: ServerConfig, protocol: str, load: TensorLoad, seconds: float = 4.0,
+                    probes: int = 2) -> dict:
+    """The server's time to refuse a request that meets a full queue.
+
+    Fillers (asyncio, max_queue_size + max_batch_size + 16 of them, each sending its next request as
+    soon as the previous one is answered, 20 ms after a refusal) keep `load.model`'s queue full; once the
+    pending gauge says so, `probes` threads send single requests one after another for `seconds`, each
+    alone on its connection. Every outcome, fillers' and probes', is accounted for."""
+    from server.overload import PENDING_GAUGE, queue_limits
+
+    url = config.http_url if protocol == "http" else config.grpc_url
+    limit = queue_limits((MODEL_REPOSITORY, TEST_MODEL_REPOSITORY))[load.model]
+    fillers = limit.max_queue_size + limit.max_batch_size + 16
+    stop = threading.Event()
+    filler_outcomes: list[Outcome] = []
+
+    async def fill():
+        module = protocol_module(protocol, asyncio_api=True)
+        client = (module.InferenceServerClient(url, conn_limit=fillers + 1, conn_timeout=HANG_BOUND_S)
+                  if protocol == "http" else module.InferenceServerClient(url))
+        requested = [module.InferRequestedOutput(load.output_name)]
+
+        async def worker(index: int):
+            while not stop.is_set():
+                started = time.perf_counter()
+                try:
+                    result = await asyncio.wait_for(client.infer(
+                        load.model, [_infer_input(module, load, index)], outputs=requested,
+                        request_id=str(index)), HANG_BOUND_S)
+                    filler_outcomes.append(_judge(load, index, result, started))
+                except asyncio.TimeoutError:
+                    filler_outcomes.append(Outcome(index, LOST, time.perf_counter() - started))
+                except InferenceServerException as exc:
+                    kind, status, message = classify_error(exc)
+                    filler_outcomes.append(Outcome(index, kind, time.perf_counter() - started, status, message))
+                    await asyncio.sleep(0.02)
+                index += fillers
+
+        try:
+            await asyncio.gather(*(worker(k) for k in range(fillers)))
+        finally:
+            await client.close()
+
+    filler = threading.Thread(target=lambda: asyncio.run(fill()), daemon=True)
+    filler.start()
+    probe_outcomes: list[Outcome] = []
+    try:
+        deadline = time.monotonic() + 60
+        while model_counters(config.metrics_url, load.model).get(PENDING_GAUGE, 0) < limit.overload_threshold:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{load.model}'s queue never filled")
+            time.sleep(0.01)
+        probe_stop = threading.Event()
+        threads = [threading.Thread(target=lambda k=k: probe_outcomes.extend(
+            _probe(url, protocol, load, 10_000_000 * (k + 1), probe_stop, 0.02))) for k in range(probes)]
+        for thread in threads:
+            thread.start()
+        time.sleep(seconds)
+        probe_stop.set()
+        for thread in threads:
+            thread.join(HANG_BOUND_S)
+    finally:
+        stop.set()
+        filler.join(HANG_BOUND_S)
+    return {"protocol": protocol, "model": load.model, "fillers": fillers,
+            "probes": summarize(probe_outcomes, len(probe_outcomes)),
+            "fillers_outcomes": summarize(filler_outcomes, len(filler_outcomes))}
 
 
 # -- queue timeouts -----------------------------------------------------------------------------------
@@ -382,7 +421,7 @@ def queue_timeouts(config: ServerConfig, protocol: str, requests: int = 16) -> d
     load = echo_load(16)
     load.model = TIMEOUT_MODEL
     default_timeout_s = 2.0
-    before = server_counts(config, TIMEOUT_MODEL)
+    before = settled_counts(config, TIMEOUT_MODEL)
 
     default = asyncio.run(_send_all(url, protocol, load, range(requests)))
 
@@ -999,7 +1038,8 @@ def restricted_api_checks(config: ServerConfig) -> list[dict]:
 
 # -- the command ----------------------------------------------------------------------------------------
 
-SCENARIOS = ("burst", "timeout", "readiness", "bad-input", "stub-kill", "crash-request", "sigterm", "security")
+SCENARIOS = ("burst", "refusal", "timeout", "readiness", "bad-input", "stub-kill", "crash-request", "sigterm",
+             "security")
 
 
 def _ms(figures: dict | None, key: str = "p50") -> str:
@@ -1009,21 +1049,33 @@ def _ms(figures: dict | None, key: str = "p50") -> str:
 def run_overload(config: ServerConfig, server: EmbeddedTritonServer, args, rows: list, record: dict) -> None:
     onnx = reference_answers(config, onnx_load())
     ensemble = reference_answers(config, ensemble_load())
-    for protocol, load, queued in (("http", onnx, ONNX_MODEL), ("grpc", onnx, ONNX_MODEL),
-                                   ("grpc", ensemble, ONNX_MODEL), ("http", ensemble, ONNX_MODEL)):
+    for protocol, load in (("http", onnx), ("grpc", onnx), ("grpc", ensemble), ("http", ensemble)):
         if "burst" not in args.scenario:
             break
-        result = burst(config, protocol, load, args.burst_requests, queued_model=queued).summary()
+        result = burst(config, protocol, load, args.burst_requests).summary()
         record.setdefault("burst", []).append(result)
-        total, probes, b = result["total"], result["probes"], result["burst"]
-        counted = (result["server"]["metrics_success"] == total["answered"] == result["server"]["stats_success"])
+        total, server_counted = result["total"], result["server"]
+        counted = server_counted["metrics_success"] == total["answered"] == server_counted["stats_success"]
         rows.append([f"burst of {args.burst_requests} at once, {load.model}, {protocol}",
                      f"--scenario burst --burst-requests {args.burst_requests}", total["sent"], total["answered"],
                      total["refused"], total["lost"] + total["wrong"] + total["error"],
-                     f"probe refusal p50 {_ms(probes.get('refused_ms'))} / p99 {_ms(probes.get('refused_ms'), 'p99')} ms; "
-                     f"burst refusal p50 {_ms(b.get('refused_ms'))} ms",
-                     f"server successes = answered: {'yes' if counted else 'NO'} "
-                     f"({result['server']['metrics_success']}); failures counted {result['server']['metrics_failure']}"])
+                     f"burst refusals p50 {_ms(total.get('refused_ms'))} / max {_ms(total.get('refused_ms'), 'max')} ms "
+                     f"(wall {result['wall_s']} s)",
+                     f"server successes = answered: {'yes' if counted else 'NO'} ({server_counted['metrics_success']}); "
+                     f"failures counted {server_counted['metrics_failure']}"])
+    for protocol in PROTOCOLS:
+        if "refusal" not in args.scenario:
+            break
+        result = refusal_latency(config, protocol, onnx)
+        record.setdefault("refusal", []).append(result)
+        probes, fill = result["probes"], result["fillers_outcomes"]
+        rows.append([f"a request meeting a full queue, resnet18_onnx, {protocol} ({result['fillers']} senders keep "
+                     f"it full)", "--scenario refusal", probes["sent"] + fill["sent"],
+                     probes["answered"] + fill["answered"], probes["refused"] + fill["refused"],
+                     probes["lost"] + probes["wrong"] + probes["error"] + fill["lost"] + fill["wrong"] + fill["error"],
+                     f"single-request refusals ({probes['refused']}): p50 {_ms(probes.get('refused_ms'))} / p99 "
+                     f"{_ms(probes.get('refused_ms'), 'p99')} / max {_ms(probes.get('refused_ms'), 'max')} ms",
+                     "probe requests sent one at a time, 2 threads"])
     if "timeout" in args.scenario:
         for protocol in PROTOCOLS:
             result = queue_timeouts(config, protocol)
@@ -1065,7 +1117,7 @@ def run_overload(config: ServerConfig, server: EmbeddedTritonServer, args, rows:
 def run_faults(args, out_dir: Path, rows: list, record: dict) -> None:
     from server.supervisor import Supervisor, SupervisorPolicy
 
-    policy = SupervisorPolicy(poll_interval_s=0.5, restart_drain_s=5.0)
+    policy = SupervisorPolicy()  # what `serve` runs with
     if "stub-kill" in args.scenario:
         config = config_on_free_ports(extra_model_repositories=(TEST_MODEL_REPOSITORY,))
         with Supervisor(config, policy, log_path=out_dir / "tritonserver-stub-kill.log") as supervisor:
@@ -1177,7 +1229,7 @@ def main(argv: list[str] | None = None) -> int:
                     "args": {k: str(v) for k, v in vars(args).items()}}
     steal_before = cpu_steal_ticks()
     rows: list[list] = []
-    if set(args.scenario) & {"burst", "timeout", "readiness", "bad-input"}:
+    if set(args.scenario) & {"burst", "refusal", "timeout", "readiness", "bad-input"}:
         config = config_on_free_ports(extra_model_repositories=(TEST_MODEL_REPOSITORY,))
         with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver.log") as server:
             run_overload(config, server, args, rows, record)
