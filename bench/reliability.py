@@ -902,19 +902,23 @@ def sigterm_in_flight(repository: Path, model: str, load: TensorLoad, in_flight:
         runner = threading.Thread(target=lambda: (accepted.extend(asyncio.run(in_flight_requests())),
                                                   done_at.append(time.monotonic())))
         runner.start()
-        deadline = time.monotonic() + 30  # SIGTERM once requests wait in the model's queue
-        while model_counters(config.metrics_url, model).get("nv_inference_pending_request_count", 0) < 1:
+        deadline = time.monotonic() + 30  # SIGTERM once the server holds the requests: some queued or done
+        while True:
+            counts = model_counters(config.metrics_url, model)
+            if counts.get("nv_inference_pending_request_count", 0) >= 1 or \
+                    counts.get("nv_inference_request_success", 0) >= 1:
+                break
             if time.monotonic() > deadline or not runner.is_alive():
-                raise RuntimeError("the in-flight requests never reached the queue")
-            time.sleep(0.02)
+                raise RuntimeError("the in-flight requests never reached the server")
+            time.sleep(0.01)
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         after: list[tuple[float, str, Outcome]] = []
         index = 10_000
         while process.poll() is None and time.monotonic() - signalled < exit_timeout_s + 30:
             for protocol in PROTOCOLS:
-                outcome = _one_fresh(config, protocol, load, index)
-                after.append((round(time.monotonic() - signalled, 3), protocol, outcome))
+                sent_s = round(time.monotonic() - signalled, 3)  # when it was sent, after SIGTERM
+                after.append((sent_s, protocol, _one_fresh(config, protocol, load, index)))
                 index += 1
             time.sleep(0.1)
         process.wait(exit_timeout_s + 30)
@@ -927,7 +931,8 @@ def sigterm_in_flight(repository: Path, model: str, load: TensorLoad, in_flight:
     return {"model": model, "in_flight": summarize(accepted, in_flight), "exit_status": process.returncode,
             "last_in_flight_answered_after_sigterm_s": round(done_at[0] - signalled, 2) if done_at else None,
             "exit_s": round(exit_s, 2), "exit_timeout_s": exit_timeout_s,
-            "after_sigterm": [{"t_s": t, "protocol": p, "kind": o.kind, "status": o.status,
+            "after_sigterm": [{"sent_s": t, "latency_s": round(o.latency_s, 3), "protocol": p, "kind": o.kind,
+                               "status": o.status,
                                "message": o.message[:120]} for t, p, o in after]}
 
 

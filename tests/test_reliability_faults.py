@@ -135,7 +135,8 @@ def test_sigterm_lets_accepted_requests_finish_refuses_new_ones_and_exits_in_tim
     assert result["last_in_flight_answered_after_sigterm_s"] > 0, "SIGTERM came after the last answer"
     assert result["exit_status"] == 0 and result["exit_s"] < exit_timeout_s, result
     after = result["after_sigterm"]
-    http_after = [row for row in after if row["protocol"] == "http" and row["t_s"] >= 0.2]
+    # (An HTTP request sent within moments of SIGTERM may still be accepted, and is then answered.)
+    http_after = [row for row in after if row["protocol"] == "http" and row["sent_s"] >= 0.2]
     assert http_after and all(row["kind"] == ERROR for row in http_after), http_after
     # Nothing sent after SIGTERM hangs or gets a wrong answer: answered (gRPC, during the drain) or refused.
     assert all(row["kind"] in (ANSWERED, REFUSED, ERROR) for row in after), after
