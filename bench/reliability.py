@@ -276,12 +276,12 @@ async def _send_all(url: str, protocol: str, load: TensorLoad, indices: range,
 
 
 def _probe(url: str, protocol: str, load: TensorLoad, first_index: int, stop: threading.Event,
-           interval_s: float) -> list[Outcome]:
-    """Send one request at a time until `stop`: each alone on the wire, so a refusal's latency is the
-    server's time to refuse (plus loopback), not the burst's client-side queueing."""
+           interval_s: float, outcomes: list[Outcome]) -> None:
+    """Send one request at a time until `stop`, appending each outcome to `outcomes`: each request alone
+    on its connection, so a refusal's latency is the server's time to refuse (plus loopback)."""
     module = protocol_module(protocol)
     client = module.InferenceServerClient(url)
-    outcomes, index = [], first_index
+    index = first_index
     try:
         while not stop.is_set():
             request = _infer_input(module, load, index)
@@ -297,7 +297,6 @@ def _probe(url: str, protocol: str, load: TensorLoad, first_index: int, stop: th
             stop.wait(interval_s)
     finally:
         client.close()
-    return outcomes
 
 
 @dataclass
@@ -335,14 +334,15 @@ def burst(config: ServerConfig, protocol: str, load: TensorLoad, requests: int) 
 
 
 def refusal_latency(config: ServerConfig, protocol: str, load: TensorLoad, seconds: float = 4.0,
-                    probes: int = 2) -> dict:
+                    probes: int = 4) -> dict:
     """The server's time to refuse a request that meets a full queue.
 
     Fillers (asyncio, max_queue_size + max_batch_size + 16 of them, each sending its next request as
-    soon as the previous one is answered, 20 ms after a refusal) keep `load.model`'s queue full; once the
-    pending gauge says so, `probes` threads send single requests one after another for `seconds`, each
-    alone on its connection. Every outcome, fillers' and probes', is accounted for."""
-    from server.overload import PENDING_GAUGE, queue_limits
+    soon as the previous one is answered, 20 ms after a refusal) keep `load.model`'s queue full; once they
+    are being refused, `probes` threads send single requests one after another for `seconds`, each alone
+    on its connection (a probe that finds room waits its turn, seconds). Every outcome, fillers' and
+    probes', is accounted for."""
+    from server.overload import queue_limits
 
     url = config.http_url if protocol == "http" else config.grpc_url
     limit = queue_limits((MODEL_REPOSITORY, TEST_MODEL_REPOSITORY))[load.model]
@@ -381,17 +381,20 @@ def refusal_latency(config: ServerConfig, protocol: str, load: TensorLoad, secon
     filler.start()
     probe_outcomes: list[Outcome] = []
     try:
-        deadline = time.monotonic() + 60
-        while model_counters(config.metrics_url, load.model).get(PENDING_GAUGE, 0) < limit.overload_threshold:
+        deadline = time.monotonic() + 60  # probe once the fillers are being refused: the queue is full
+        while sum(o.kind == REFUSED for o in filler_outcomes) < 20:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{load.model}'s queue never filled")
             time.sleep(0.01)
         probe_stop = threading.Event()
-        threads = [threading.Thread(target=lambda k=k: probe_outcomes.extend(
-            _probe(url, protocol, load, 10_000_000 * (k + 1), probe_stop, 0.02))) for k in range(probes)]
+        threads = [threading.Thread(target=_probe, args=(url, protocol, load, 10_000_000 * (k + 1), probe_stop,
+                                                          0.02, probe_outcomes)) for k in range(probes)]
         for thread in threads:
             thread.start()
-        time.sleep(seconds)
+        started = time.monotonic()  # `seconds`, longer while fewer than 10 probes met the full queue
+        while time.monotonic() - started < seconds or (
+                sum(o.kind == REFUSED for o in list(probe_outcomes)) < 10 and time.monotonic() - started < 30):
+            time.sleep(0.05)
         probe_stop.set()
         for thread in threads:
             thread.join(HANG_BOUND_S)
@@ -1080,7 +1083,7 @@ def run_overload(config: ServerConfig, server: EmbeddedTritonServer, args, rows:
                      probes["lost"] + probes["wrong"] + probes["error"] + fill["lost"] + fill["wrong"] + fill["error"],
                      f"single-request refusals ({probes['refused']}): p50 {_ms(probes.get('refused_ms'))} / p99 "
                      f"{_ms(probes.get('refused_ms'), 'p99')} / max {_ms(probes.get('refused_ms'), 'max')} ms",
-                     "probe requests sent one at a time, 2 threads"])
+                     "probe requests sent one at a time, 4 threads"])
     if "timeout" in args.scenario:
         for protocol in PROTOCOLS:
             result = queue_timeouts(config, protocol)

@@ -57,7 +57,7 @@ def test_a_request_meeting_a_full_queue_is_refused_fast(triton_server, onnx_refe
     for figures in (probes, fillers):
         assert figures["lost"] == figures["wrong"] == figures["error"] == 0, result
         assert figures["answered"] + figures["refused"] == figures["sent"], result
-    assert probes["refused"] >= 5, f"the probes did not meet a full queue: {result}"
+    assert probes["refused"] >= 3, f"the probes did not meet a full queue: {result}"
     assert probes["refused_ms"]["p50"] < REFUSAL_BOUND_MS, result
 
 
