@@ -14,6 +14,8 @@ How, and why this way rather than from the per-batch-size statistics of a loaded
   * the standard deviation of a batch's time is that of the gaps between consecutive responses
     (profile export) with one instance; with n > 1 it is the one-instance coefficient of variation
     times the mean (stated in the profile's source);
+  * each measurement waits for other processes to leave the cores (planner/cpu.py) and is done again,
+    up to 3 times, when they took more than 15% of them meanwhile (the shares are kept in the profile);
   * the fixed per-request overhead is the median latency of lone batch-1 requests (concurrency 1)
     minus the batch-1 execution time: client, protocol and server front end.
 The server ceiling (requests/s through protocol and batcher whatever the model) is not measured here:
@@ -37,6 +39,7 @@ from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, command, parse_csv
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
 from planner.batcher import BatcherConfig
+from planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
 from planner.pbtxt import load_config, planned_config, write_config
 from planner.profile import BatchTiming, Profile
 from server.embedded import EmbeddedTritonServer, config_on_free_ports, library_path
@@ -143,10 +146,18 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
             for batch in batch_sizes:
                 concurrency = 2 * instances
                 requests = instances * (executions + WARMUP_RESPONSES + 1)
-                before = model_statistics(http, model)
-                began = time.monotonic()
-                record = run_fixed_batch(url, model, batch, concurrency, requests, level_dir / f"b{batch}", row_bytes)
-                stats = statistics_delta(before, model_statistics(http, model))
+                for attempt in range(1, MAX_ATTEMPTS + 1):
+                    wait_until_quiet(session_id=server.process.pid)
+                    before = model_statistics(http, model)
+                    began, cpu = time.monotonic(), CpuAccount(server.process.pid).start()
+                    record = run_fixed_batch(url, model, batch, concurrency, requests, level_dir / f"b{batch}",
+                                             row_bytes)
+                    cpu_share = cpu.stop()
+                    stats = statistics_delta(before, model_statistics(http, model))
+                    if cpu_share["foreign"] <= MAX_FOREIGN_SHARE or attempt == MAX_ATTEMPTS:
+                        break
+                    progress(f"profile: batch {batch}: other processes took {cpu_share['foreign']:.0%} of the "
+                             f"cores; measuring again (attempt {attempt + 1})")
                 # Steady state: the gaps between consecutive responses after the first WARMUP_RESPONSES
                 # (first executions of a shape are slower: allocations). n instances complete one request
                 # every cycle / n on average.
@@ -159,11 +170,18 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
                 details["runs"][f"{instances}x/b{batch}"] = {
                     "throughput": record["throughput"], "cycle_ms": cycle_s * 1e3, "std_ms": std_s * 1e3,
                     "server_compute_ms": server_exec_ms, "batch_executions": stats["batch_executions"],
-                    "p50_ms": record["p50_us"] / 1e3, "wall_s": time.monotonic() - began}
+                    "p50_ms": record["p50_us"] / 1e3, "wall_s": time.monotonic() - began, "cpu": cpu_share,
+                    "attempts": attempt}
                 progress(f"profile: {instances} instance(s), batch {batch}: cycle {cycle_s * 1e3:.1f} ms "
-                         f"(server compute {server_exec_ms:.1f} ms), {record['throughput']:.1f} infer/s")
+                         f"(server compute {server_exec_ms:.1f} ms); CPU ours {cpu_share['ours']:.0%}, "
+                         f"others {cpu_share['foreign']:.0%}, steal {cpu_share['steal']:.0%}")
             if instances == min(instance_counts):
-                record = run_fixed_batch(url, model, 1, 1, max(40, executions), level_dir / "lone", row_bytes)
+                for attempt in range(1, MAX_ATTEMPTS + 1):
+                    wait_until_quiet(session_id=server.process.pid)
+                    cpu = CpuAccount(server.process.pid).start()
+                    record = run_fixed_batch(url, model, 1, 1, max(40, executions), level_dir / "lone", row_bytes)
+                    if cpu.stop()["foreign"] <= MAX_FOREIGN_SHARE:
+                        break
                 lone_ms = float(np.median(record["latencies_s"])) * 1e3
                 overhead_us = max(0.0, (lone_ms - timings[instances][1].mean_ms) * 1e3) if 1 in timings[
                     instances] else 0.0

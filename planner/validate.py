@@ -22,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.perf_analyzer import LoadSpec, run_level
+from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, run_level
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY
 from planner.arrivals import Poisson
 from planner.batcher import BatcherConfig, QueuePolicy
+from planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
 from planner.pbtxt import batcher_from_config, instance_count, load_config
 from planner.profile import Profile
 from planner.search import device_capacity_rps
@@ -38,12 +39,6 @@ LOGITS_BYTES = 1000 * 4
 QUEUE_BINS_MS = [0, 5, 10, 25, 50, 100, 200, 400, 600, 1000, 1e9]
 #: Pause between levels, so the trace can be split into levels by the gaps in its queue times.
 LEVEL_GAP_S = 3.0
-
-
-def cpu_steal_ticks() -> tuple[int, int]:
-    """(steal, total) clock ticks of all cores so far (/proc/stat): the hypervisor's share is noise."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
 
 
 def config_path(model: str, name: str) -> Path:
@@ -193,7 +188,8 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
     trace_file = out / "trace.json"
     server_config = config_on_free_ports(model_config_name=None if name == "default" else name,
                                          extra_args=trace_args(trace_file))
-    rows = []
+    rows, failed = [], []
+    segments: list[tuple[int, int | None]] = []  # every attempt in order: (requests served, kept row or None)
     progress(f"validate {name}: capacity {capacity:.1f} infer/s ({batcher.describe()}, {instances} instance(s))")
     with EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log") as server:
         http, grpc = server.config.http_url, server.config.grpc_url
@@ -203,27 +199,46 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
             load = LoadSpec("request_rate", (rate,), shared_memory="system", output_shm_bytes=LOGITS_BYTES,
                             request_count=count, async_mode=True)
             level_dir = out / f"rate-{rate:g}"
-            before = model_statistics(http, model)
-            began, (steal_a, total_a) = time.monotonic(), cpu_steal_ticks()
-            row = run_level(model, grpc, "grpc", load, rate, level_dir)
-            wall_s, (steal_b, total_b) = time.monotonic() - began, cpu_steal_ticks()
-            stats = statistics_delta(before, model_statistics(http, model))
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                foreign_before = wait_until_quiet(session_id=server.process.pid)
+                before = model_statistics(http, model)
+                began, cpu = time.monotonic(), CpuAccount(server.process.pid).start()
+                error = None
+                try:
+                    row = run_level(model, grpc, "grpc", load, rate, level_dir)
+                except PerfAnalyzerError as exc:  # e.g. requests refused: queue full
+                    error = str(exc)
+                wall_s, cpu_share = time.monotonic() - began, cpu.stop()
+                stats = statistics_delta(before, model_statistics(http, model))
+                time.sleep(LEVEL_GAP_S)
+                if cpu_share["foreign"] <= MAX_FOREIGN_SHARE or attempt == MAX_ATTEMPTS:
+                    break  # the last attempt is kept whatever it shared: its CPU figures say so
+                progress(f"  {fraction:.0%}: other processes took {cpu_share['foreign']:.0%} of the cores; "
+                         f"measuring again (attempt {attempt + 1})")
+                segments.append((stats["inference_count"], None))
+            segments.append((stats["inference_count"], None if error else len(rows)))
+            if error:
+                progress(f"  {fraction:.0%} = {rate:g} req/s FAILED: {error.splitlines()[-1]}")
+                failed.append({"config": name, "fraction": fraction, "rate_rps": rate, "error": error,
+                               "cpu": cpu_share, "server": stats})
+                continue
             log = (level_dir / "perf_analyzer.log").read_text()
             delayed = next((line.strip() for line in log.splitlines() if "not able to keep up" in line), "")
             rows.append({"config": name, "fraction": fraction, "rate_rps": rate, "capacity_rps": capacity,
                          "requests": count, "wall_s": wall_s, "measured": asdict(row), "server": stats,
-                         "cpu_steal": (steal_b - steal_a) / max(1, total_b - total_a),
+                         "cpu": cpu_share, "foreign_cpu_before": foreign_before, "attempts": attempt,
                          "perf_analyzer_delayed": delayed, "batcher": batcher.describe(),
                          "batcher_config": asdict(batcher), "instances": instances,
                          "level_dir": str(level_dir)})
             progress(f"  {fraction:.0%} = {rate:g} req/s: {row.throughput:.1f} infer/s, p50 "
-                     f"{row.p50_us / 1e3:.1f} ms, p99 {row.p99_us / 1e3:.1f} ms, batch {stats['average_batch']:.2f}"
+                     f"{row.p50_us / 1e3:.1f} ms, p99 {row.p99_us / 1e3:.1f} ms, batch {stats['average_batch']:.2f}, "
+                     f"CPU ours {cpu_share['ours']:.0%} foreign {cpu_share['foreign']:.0%} steal {cpu_share['steal']:.0%}"
                      f"{'  [' + delayed + ']' if delayed else ''}")
-            time.sleep(LEVEL_GAP_S)
-    traced = split_levels(read_traces(trace_file, model), [row["requests"] for row in rows])
-    for row, level in zip(rows, traced):
-        row["trace"] = trace_summary(level, batcher)
-    return rows
+    traced = split_levels(read_traces(trace_file, model), [count for count, _ in segments])
+    for (_, kept), level in zip(segments, traced):
+        if kept is not None:
+            rows[kept]["trace"] = trace_summary(level, batcher)
+    return rows + failed
 
 
 def row_batcher(row: dict) -> BatcherConfig:
@@ -240,6 +255,8 @@ def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
     lost wake-up modelled ("..._lw") at the probability measured on the OTHER levels' traces
     (leave-one-out: a level's own trace never feeds its prediction)."""
     for i, row in enumerate(rows):
+        if "error" in row:
+            continue
         batcher, instances = row_batcher(row), row["instances"]
         others = [r["trace"]["missed_wakeups"] for j, r in enumerate(rows)
                   if j != i and (r.get("trace") or {}).get("missed_wakeups")]
@@ -279,6 +296,10 @@ def format_table(rows: list[dict]) -> str:
     lines = ["| config | load | rate req/s | throughput meas / pred | p50 ms meas / pred | p99 ms meas / pred "
              "| p99 pred, measured sends | target met (steady / sends) |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} | perf_analyzer failed: "
+                         f"{row['error'].splitlines()[-1][:80]} | | | | |")
+            continue
         m, p, r = row["measured"], row["predicted"], row.get("predicted_replay") or {}
         lines.append(
             f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} "
@@ -291,7 +312,7 @@ def format_table(rows: list[dict]) -> str:
               "| config | load | P(missed) used | p50 ms meas / pred | p99 ms meas / pred | p99 pred, measured sends "
               "| target met (steady / sends) |", "|---|---|---|---|---|---|---|"]
     for row in rows:
-        m, p, r = row["measured"], row.get("predicted_lw") or {}, row.get("predicted_replay_lw") or {}
+        m, p, r = row.get("measured"), row.get("predicted_lw") or {}, row.get("predicted_replay_lw") or {}
         if not p:
             continue
         lines.append(
@@ -303,14 +324,16 @@ def format_table(rows: list[dict]) -> str:
     lines += ["", "What Triton's trace shows (every request of the level):", "",
               "| config | load | batch meas / pred | queue p50 / p99 ms (trace) | queued > 400 ms "
               "(with the instance idle) | missed wake-ups / busy completions (rescued by an arrival) "
-              "| CPU steal | perf_analyzer |", "|---|---|---|---|---|---|---|---|"]
+              "| CPU other processes / steal | perf_analyzer |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
+        if "error" in row:
+            continue
         t, mw = row.get("trace") or {}, (row.get("trace") or {}).get("missed_wakeups") or {}
         lines.append(
             f"| {row['config']} | {row['fraction']:.0%} | {row['server']['average_batch']:.2f} / "
             f"{row['predicted']['average_batch']:.2f} | {t.get('queue_p50_ms', float('nan')):.1f} / "
             f"{t.get('queue_p99_ms', float('nan')):.1f} | {t.get('stalled', '?')} ({t.get('stalled_idle', '?')}) "
             f"of {t.get('requests', '?')} | {mw.get('missed', '?')} / {mw.get('busy_completions', '?')} "
-            f"({mw.get('rescued_by_arrival', '?')}) | {row.get('cpu_steal', 0):.1%} "
+            f"({mw.get('rescued_by_arrival', '?')}) | {row['cpu']['foreign']:.0%} / {row['cpu']['steal']:.0%} "
             f"| {row['perf_analyzer_delayed'] or 'kept the rate'} |")
     return "\n".join(lines)
