@@ -928,9 +928,13 @@ def sigterm_in_flight(repository: Path, model: str, load: TensorLoad, in_flight:
         exit_s = time.monotonic() - signalled
         runner.join(HANG_BOUND_S)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        if process.poll() is None:  # an error above: stop serve (and so its server) before leaving
+            process.terminate()
+            try:
+                process.wait(exit_timeout_s + 15)
+            except subprocess.TimeoutExpired:
+                process.kill()  # its tritonserver follows (die_with_parent)
+                process.wait()
     return {"model": model, "in_flight": summarize(accepted, in_flight), "exit_status": process.returncode,
             "last_in_flight_answered_after_sigterm_s": round(done_at[0] - signalled, 2) if done_at else None,
             "exit_s": round(exit_s, 2), "exit_timeout_s": exit_timeout_s,

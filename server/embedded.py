@@ -182,11 +182,17 @@ class EmbeddedTritonServer:
     """A tritonserver child process. Use as a context manager, or call start() and stop().
 
     log_path: where the server's stdout and stderr go; None = this process's stdout/stderr.
+    die_with_parent: the server gets SIGTERM when the thread that started it dies, even by SIGKILL
+        (Linux PR_SET_PDEATHSIG, through util-linux's `setpriv`), so a killed `serve` leaves no orphan
+        server holding the ports. Off by default: the server must then be started from a thread that
+        outlives it.
     """
 
-    def __init__(self, config: ServerConfig = ServerConfig(), log_path: Path | None = None):
+    def __init__(self, config: ServerConfig = ServerConfig(), log_path: Path | None = None,
+                 die_with_parent: bool = False):
         self.config = config
         self.log_path = log_path
+        self.die_with_parent = die_with_parent
         self.process: subprocess.Popen | None = None
         self.started_at: float | None = None
 
@@ -197,8 +203,11 @@ class EmbeddedTritonServer:
         """
         output = open(self.log_path, "ab") if self.log_path else None
         self.started_at = time.monotonic()
+        command = server_command(self.config)
+        if self.die_with_parent and shutil.which("setpriv"):
+            command = ["setpriv", "--pdeathsig", "TERM", "--", *command]  # kept across its exec
         self.process = subprocess.Popen(
-            server_command(self.config), env=server_environment(), stdout=output,
+            command, env=server_environment(), stdout=output,
             stderr=subprocess.STDOUT if output else None,
             start_new_session=True)  # Ctrl-C reaches us, not the server; we stop it gracefully
         if output:

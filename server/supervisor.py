@@ -94,7 +94,8 @@ class Supervisor:
 
     def start_server(self) -> float:
         """Start tritonserver and wait until ready; return seconds to ready. Raises ServerStartError."""
-        self.server = EmbeddedTritonServer(self.config, log_path=self.log_path)
+        # die_with_parent: if this process is killed outright, the server does not outlive it
+        self.server = EmbeddedTritonServer(self.config, log_path=self.log_path, die_with_parent=True)
         seconds = self.server.start(self.policy.ready_timeout_s)
         self._stubs = self.server.stub_processes()
         self._last_live = time.monotonic()

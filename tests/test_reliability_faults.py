@@ -140,3 +140,31 @@ def test_sigterm_lets_accepted_requests_finish_refuses_new_ones_and_exits_in_tim
     assert http_after and all(row["kind"] == ERROR for row in http_after), http_after
     # Nothing sent after SIGTERM hangs or gets a wrong answer: answered (gRPC, during the drain) or refused.
     assert all(row["kind"] in (ANSWERED, REFUSED, ERROR) for row in after), after
+
+
+def test_killing_serve_outright_takes_its_server_down(echo_repository, tmp_path):
+    """`serve` SIGKILLed (no chance to stop tritonserver): the server gets SIGTERM from the kernel
+    (die_with_parent) and exits instead of holding the ports as an orphan."""
+    import subprocess
+    import sys
+
+    from bench.reliability import wait_ready
+    from export.artifacts import REPO_ROOT
+    from server.embedded import _children, process_alive
+
+    config = config_on_free_ports(model_repository=echo_repository)
+    with open(tmp_path / "serve.log", "wb") as log:
+        serve = subprocess.Popen([sys.executable, "-m", "server", "--model-repository", str(echo_repository),
+                                  "--http-port", str(config.http_port), "--grpc-port", str(config.grpc_port),
+                                  "--metrics-port", str(config.metrics_port), "--exit-timeout-s", "5"],
+                                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(config, serve, 120)
+        (server_pid, _), = [(pid, argv) for pid, argv in _children(serve.pid) if "tritonserver" in argv[0]]
+        serve.kill()
+        serve.wait()
+        wait_for(lambda: not process_alive(server_pid), timeout_s=30)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
