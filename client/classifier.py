@@ -51,6 +51,10 @@ LOGITS_OUTPUT = "logits"  # FP32 [N, 1000]
 IMAGE_SHAPE = (3, 224, 224)
 NUM_CLASSES = 1000
 FP32_BYTES = 4
+#: Right after an inference Triton may still hold a region and refuse to unregister it ("currently in
+#: use"); close() retries up to UNREGISTER_TRIES times, UNREGISTER_WAIT_S apart (1 s in all).
+UNREGISTER_TRIES = 20
+UNREGISTER_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -326,10 +330,16 @@ class TritonClassifierClient(_ClientBase):
 
     def _release(self, regions: TensorRegions) -> None:
         for name, _, _ in regions.registrations():
-            try:
-                self._client.unregister_system_shared_memory(name)
-            except Exception:  # server gone: nothing left to unregister there
-                pass
+            for attempt in range(UNREGISTER_TRIES):
+                try:
+                    self._client.unregister_system_shared_memory(name)
+                    break
+                except InferenceServerException as exc:
+                    if "in use" not in (exc.message() or "") or attempt == UNREGISTER_TRIES - 1:
+                        break  # server gone, or still busy after the retries: nothing more to do
+                    time.sleep(UNREGISTER_WAIT_S)
+                except Exception:  # connection closed: nothing left to unregister there
+                    break
         regions.close()
 
     def close(self) -> None:
@@ -446,10 +456,16 @@ class AsyncTritonClassifierClient(_ClientBase):
 
     async def _release(self, regions: TensorRegions) -> None:
         for name, _, _ in regions.registrations():
-            try:
-                await self._client.unregister_system_shared_memory(name)
-            except Exception:  # server gone: nothing left to unregister there
-                pass
+            for attempt in range(UNREGISTER_TRIES):
+                try:
+                    await self._client.unregister_system_shared_memory(name)
+                    break
+                except InferenceServerException as exc:
+                    if "in use" not in (exc.message() or "") or attempt == UNREGISTER_TRIES - 1:
+                        break
+                    await asyncio.sleep(UNREGISTER_WAIT_S)
+                except Exception:
+                    break
         regions.close()
 
     async def close(self) -> None:
