@@ -130,9 +130,12 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> di
         single = inprocess.measure("onnxruntime", sorted({1, record["max_batch_size"]}), duration_s=args.inprocess_s)
         parallel = inprocess.measure_parallel(record["max_batch_size"], duration_s=args.inprocess_s)
         record["inprocess"] = [asdict(r) for r in single] + [asdict(parallel)]
-        # The ceiling: the better in-process arrangement at the config's max batch (see bench/inprocess.py).
-        record["inprocess_at_max_batch"] = max(single[-1].throughput, parallel.throughput)
-        capacity = record["inprocess_at_max_batch"]
+        # The ceiling: the better in-process arrangement at the config's max batch (see bench/inprocess.py),
+        # measured again right after the concurrency sweep (below): the efficiency divides by the mean of
+        # the two, so a drift of the shared VM's speed during the sweep does not land on one side only.
+        best_arrangement = "parallel" if parallel.throughput > single[-1].throughput else "single"
+        ceiling_before = max(single[-1].throughput, parallel.throughput)
+        record["inprocess_at_max_batch"] = capacity = ceiling_before
         fallback = int(capacity * 2 * args.measurement_ms / 1000)  # about 2 windows' worth of requests
         levels = concurrency_levels(name, record["max_batch_size"], record["max_queue_size"], record["instances"],
                                     args.quick)
@@ -146,6 +149,12 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> di
             record["concurrency"].append(measure_level(server, model, load, level, out / f"concurrency-{level:g}",
                                                        args.protocol))
             progress.update()
+        progress.set_description(f"{name}: in-process ceiling again")
+        ceiling_after = (inprocess.measure_parallel(record["max_batch_size"], duration_s=args.inprocess_s)
+                         if best_arrangement == "parallel" else
+                         inprocess.measure("onnxruntime", [record["max_batch_size"]], duration_s=args.inprocess_s)[0])
+        record["inprocess_ceiling_before_after"] = [ceiling_before, ceiling_after.throughput]
+        record["inprocess_at_max_batch"] = capacity = (ceiling_before + ceiling_after.throughput) / 2
         rates = tuple(round(f * capacity, 1) for f in args.rate_fractions) if name in args.rate_configs else ()
         # --async: with blocking calls perf_analyzer's rate mode can keep only as many requests in flight as
         # it has threads, and then sends below the asked rate once latency grows (seen: 15 of 39 req/s).
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started, ticks = time.time(), cpu_ticks()
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    run_dir = args.out or REPO_ROOT / "results" / f"bench-{stamp:%Y%m%d-%H%M%S}{'-quick' if args.quick else ''}"
+    run_dir = args.out.resolve() if args.out else REPO_ROOT / "results" / f"bench-{stamp:%Y%m%d-%H%M%S}{'-quick' if args.quick else ''}"
     run_dir.mkdir(parents=True, exist_ok=False)
     steps = sum(len(concurrency_levels(n, *local_batching(args.model, n), quick=args.quick)) for n in names)
     steps += len(args.rate_fractions) * sum(n in args.rate_configs for n in names) + (1 if args.quick else 6)

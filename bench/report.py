@@ -114,14 +114,14 @@ def markdown(summary: dict, plots: dict[str, str]) -> str:
     for t in summary["targets"]:
         out.append(f"| {t['name']} | {t['wanted']} | {t['measured']} | {'met' if t['met'] else 'MISSED'} |")
     out += ["", "## Configs", "", "| config | max batch | preferred | max queue delay µs | max queue | "
-            "process start → ready s | first inference ms | in-process infer/s at max batch | "
+            "process start → ready s | first inference ms | in-process infer/s at max batch (before / after the sweep) | "
             "best served infer/s | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in summary["configs"]:
         best = saturation_row(c)
         out.append(f"| {c['name']} | {c['max_batch_size']} | {c['preferred_batch_size'] or '-'} | "
                    f"{c['max_queue_delay_us'] if c['dynamic_batching'] else 'no batcher'} | "
                    f"{c['max_queue_size'] or '-'} | {c['cold_start']['process_to_ready_s']:.1f} | "
-                   f"{c['cold_start']['first_inference_ms']:.1f} | {c['inprocess_at_max_batch']:.1f} | "
+                   f"{c['cold_start']['first_inference_ms']:.1f} | {_ceiling(c)} | "
                    f"{best['throughput']:.1f} (c={best['level']:g}) | {c['efficiency']:.2f} |")
     out += ["", f"![throughput vs p99]({plots['throughput_vs_p99']})", "",
             f"![latency breakdown]({plots['latency_breakdown']})", "",
@@ -147,6 +147,13 @@ def markdown(summary: dict, plots: dict[str, str]) -> str:
                    f"{_ms(r['p50_us'])} | {_ms(r['p99_us'])} | {r['server']['average_batch']:.1f} | "
                    f"{'n/a' if cpu is None else f'{cpu:.0%}'} |")
     return "\n".join(out) + "\n"
+
+
+def _ceiling(config: dict) -> str:
+    """The in-process ceiling cell: the mean, and the measurements before / after the sweep."""
+    around = config.get("inprocess_ceiling_before_after")
+    mean = f"{config['inprocess_at_max_batch']:.1f}"
+    return f"{mean} ({around[0]:.1f} / {around[1]:.1f})" if around else mean
 
 
 def write_report(run_dir: Path) -> Path:
