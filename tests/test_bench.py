@@ -62,7 +62,7 @@ def test_config_switch_is_what_the_server_loaded(tmp_path):
             served = served_config(client, ONNX_MODEL)
             default_of_other_model = client.model_config("resnet18_torchscript")["max_batch_size"]
     assert served["max_batch_size"] == 32 and served["preferred_batch_size"] == [32]
-    assert served["max_queue_delay_us"] == 100000 and served["max_queue_size"] == 128
+    assert served["max_queue_delay_us"] == 100000 and served["max_queue_size"] == 0  # no queue policy
     assert default_of_other_model == 16  # a model without that variant keeps its config.pbtxt
 
 
@@ -80,3 +80,18 @@ def test_short_real_perf_analyzer_run_is_consistent(triton_server, tmp_path):
     assert delta["inference_count"] == sum(size * count for size, count in delta["batch_executions"].items())
     assert (tmp_path / "perf.csv").exists() and (tmp_path / "command.txt").read_text().startswith(
         str(perf_analyzer_binary()))
+
+
+def test_stub_profile_classifies_py_spy_samples(tmp_path):
+    """py-spy raw lines ("stack count") from a real `record --idle` of the throughput stub: empty stacks
+    are the stub outside Python (waiting for a batch), Session.run is compute, the rest Python around it."""
+    from bench.stub_profile import summarize
+
+    raw = tmp_path / "stub.txt"
+    raw.write_text(
+        " 3\n"
+        "TritonPythonModel.execute (model.py:63);TritonPythonModel._response (model.py:73) 1\n"
+        "TritonPythonModel.execute (model.py:59);load_onnxruntime.<locals>.<lambda> (model.py:25);"
+        "Session.run (onnxruntime/capi/onnxruntime_inference_collection.py:395) 188\n"
+        "TritonPythonModel.execute (model.py:59) 1\n")
+    assert summarize(raw) == {"outside python": 3, "python": 2, "compute": 188}
