@@ -73,7 +73,9 @@ def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path,
               f"Predicted: {d['devices']:,} devices x {best.instances} instance(s); per device "
               f"{d['throughput_rps_per_device']:,.1f} infer/s, p50 {d['p50_ms']:.1f} ms, p99 {d['p99_ms']:.1f} ms, "
               f"busy {d['busy_fraction']:.0%}, average batch {d['average_batch']:.1f}.\n"
-              f"max_queue_size = requests one device serves within the budget (planner/search.py).")
+              + (f"max_queue_size = requests one device serves within the budget (planner/search.py)."
+                 if best.batcher.queue.max_queue_size else
+                 "No queue policy: Triton prefetches payloads (no lost wake-up, no queue bound)."))
     return write_config(config, path, header)
 
 
@@ -93,11 +95,16 @@ def cmd_plan(args) -> int:
                         max_batch_sizes=tuple(args.max_batch_sizes) if args.max_batch_sizes else None,
                         balancer=args.balancer, requests=args.requests, max_utilization=args.max_utilization,
                         lost_wakeup=_lost_wakeup(args.lost_wakeup))
-    if args.model_config:
+    if args.unbounded_queue:
+        space = replace(space, base_queue=None)
+    elif args.model_config:
         from planner.pbtxt import batcher_from_config, load_config
 
         base_queue = batcher_from_config(load_config(args.model_config)).queue
         space = replace(space, base_queue=replace(base_queue, max_queue_size=0))
+    if space.base_queue is not None and not space.lost_wakeup:
+        print("note: the written config bounds the queue; Triton 2.51 then loses batcher wake-ups (up to "
+              "500 ms, docs/capacity.md): plan with --lost-wakeup P or write --unbounded-queue", file=sys.stderr)
     result = plan(args.qps, slo, profile, space, _arrival(args, args.qps))
     print(format_plan(result))
     if args.json:
@@ -230,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="model Triton 2.51's lost wake-up with this probability (default 0: off)")
     p.add_argument("--model-config", type=Path, help="config.pbtxt the planned one derives from "
                                                      "(default model_repository/<profile model>/config.pbtxt)")
+    p.add_argument("--unbounded-queue", action="store_true",
+                   help="write no default_queue_policy (Triton prefetches payloads; no lost wake-up)")
     p.add_argument("--name", default="planned", help="variant name: writes configs/<name>.pbtxt")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for <model>/configs/<name>.pbtxt")
     p.add_argument("--into-model-repository", action="store_true",

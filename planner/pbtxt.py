@@ -55,10 +55,11 @@ def planned_config(base: model_config_pb2.ModelConfig, batcher: BatcherConfig, i
         config.dynamic_batching.Clear()
         config.dynamic_batching.preferred_batch_size.extend(batcher.preferred_batch_sizes)
         config.dynamic_batching.max_queue_delay_microseconds = batcher.max_queue_delay_us
-        policy = config.dynamic_batching.default_queue_policy
-        policy.max_queue_size = batcher.queue.max_queue_size
-        policy.default_timeout_microseconds = batcher.queue.default_timeout_us
-        policy.allow_timeout_override = batcher.queue.allow_timeout_override
+        if batcher.queue.disables_prefetching:  # an all-defaults policy is written as none at all
+            policy = config.dynamic_batching.default_queue_policy
+            policy.max_queue_size = batcher.queue.max_queue_size
+            policy.default_timeout_microseconds = batcher.queue.default_timeout_us
+            policy.allow_timeout_override = batcher.queue.allow_timeout_override
     else:
         config.ClearField("dynamic_batching")
     if not config.instance_group:

@@ -58,7 +58,8 @@ class SearchSpace:
         candidate: common random numbers make the comparison fair).
     max_utilization: headroom; offered load per device must stay below this x its capacity.
     base_queue: queue policy written with the plan (max_queue_size is set by the planner, see
-        `queue_size_for`).
+        `queue_size_for`); None = no queue policy at all (unbounded queue, payload prefetching: no lost
+        wake-up in Triton 2.51, see docs/capacity.md).
     """
 
     instances: tuple[int, ...] | None = None
@@ -69,7 +70,7 @@ class SearchSpace:
     requests: int = 20000
     seed: int = 1
     max_utilization: float = 1.0
-    base_queue: QueuePolicy = field(default_factory=lambda: QueuePolicy(allow_timeout_override=True))
+    base_queue: QueuePolicy | None = field(default_factory=lambda: QueuePolicy(allow_timeout_override=True))
     lost_wakeup: LostWakeup | None = None
 
 
@@ -156,8 +157,8 @@ def candidates_for(profile: Profile, slo: Slo, space: SearchSpace) -> list[Candi
                     continue  # a lone request waits the delay, then a whole execution
                 probe = BatcherConfig(max_batch_size=max_batch, max_queue_delay_us=delay_us)
                 capacity = device_capacity_rps(profile, probe, instances)
-                queue = replace(space.base_queue,
-                                max_queue_size=queue_size_for(capacity, slo.budget_ms, max_batch))
+                queue = QueuePolicy() if space.base_queue is None else replace(
+                    space.base_queue, max_queue_size=queue_size_for(capacity, slo.budget_ms, max_batch))
                 found.append(Candidate(replace(probe, queue=queue), instances, capacity, 0))
     return found
 

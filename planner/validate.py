@@ -86,8 +86,8 @@ def split_levels(requests: list[dict], counts: list[int]) -> list[list[dict]]:
 
 
 def missed_wakeups(requests: list[dict], batcher: BatcherConfig, tolerance_s: float = 0.003) -> dict:
-    """How often the batcher did not start the next batch when the documented rules say it must (one
-    instance): at each execution end with requests waiting, the rules start the next batch at once if
+    """How often the batcher did not start the next batch when the documented rules say it must: at
+    each execution end (an instance becomes free) with requests waiting, the rules start a batch at once if
     a preferred size is queued or the oldest waiting request is max_queue_delay old, else when it gets
     that old. A start more than `tolerance_s` later is a missed wake-up; each is classed by what ended it.
 
@@ -98,10 +98,15 @@ def missed_wakeups(requests: list[dict], batcher: BatcherConfig, tolerance_s: fl
     queue_starts = np.array(sorted(r["QUEUE_START"] for r in requests)) / 1e9
     by_request = sorted(((r["QUEUE_START"] / 1e9, r["COMPUTE_START"] / 1e9) for r in requests))
     delay_s = batcher.max_queue_delay_us / 1e6
+    starts = np.array([s for s, _ in executions]) / 1e9
     busy = missed = rescued = 0
     extra = []
-    for (_, end_ns), (next_start_ns, _) in zip(executions, executions[1:]):
-        end, next_start = end_ns / 1e9, next_start_ns / 1e9
+    for _, end_ns in executions:
+        end = end_ns / 1e9
+        later = starts[starts >= end]
+        if not later.size:
+            continue
+        next_start = later[0]  # the first batch started anywhere after this instance became free
         waiting = [q for q, c in by_request if q < end and c >= end]
         if not waiting:
             continue
@@ -252,14 +257,16 @@ def row_batcher(row: dict) -> BatcherConfig:
 def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
     """Predict every measured level (module doc): "predicted" (Poisson, steady state), "predicted_replay"
     (perf_analyzer's own send times, from an empty server, as measured), and the same two with the
-    lost wake-up modelled ("..._lw") at the probability measured on the OTHER levels' traces
-    (leave-one-out: a level's own trace never feeds its prediction)."""
+    lost wake-up modelled ("..._lw") at the probability measured on the traces of the config's OTHER
+    levels (leave-one-out: a level's own trace never feeds its prediction; the probability depends on
+    the config, e.g. on its instance count, so other configs are used only when it has no other level)."""
     for i, row in enumerate(rows):
         if "error" in row:
             continue
         batcher, instances = row_batcher(row), row["instances"]
-        others = [r["trace"]["missed_wakeups"] for j, r in enumerate(rows)
-                  if j != i and (r.get("trace") or {}).get("missed_wakeups")]
+        traced = [(j, r) for j, r in enumerate(rows) if j != i and (r.get("trace") or {}).get("missed_wakeups")]
+        same = [r for j, r in traced if r["config"] == row["config"]]
+        others = [r["trace"]["missed_wakeups"] for r in (same or [r for _, r in traced])]
         busy = sum(o["busy_completions"] for o in others)
         probability = sum(o["missed"] for o in others) / busy if busy else 0.0
         sends = send_times_s(Path(row["level_dir"]) / "profile.json")
@@ -294,7 +301,7 @@ def format_table(rows: list[dict]) -> str:
         return f"{m:.1f} / {p:.1f} ({p / m - 1:+.0%})"
 
     lines = ["| config | load | rate req/s | throughput meas / pred | p50 ms meas / pred | p99 ms meas / pred "
-             "| p99 pred, measured sends | target met (steady / sends) |", "|---|---|---|---|---|---|---|---|"]
+             "| measured sends: throughput, p99 pred | target met (steady / sends) |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} | perf_analyzer failed: "
@@ -305,20 +312,25 @@ def format_table(rows: list[dict]) -> str:
             f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} "
             f"| {cell(m['throughput'], p['throughput_rps'])} | {cell(m['p50_us'] / 1e3, p['p50_ms'])} "
             f"| {cell(m['p99_us'] / 1e3, p['p99_ms'])} "
-            f"| {r.get('p99_ms', float('nan')):.1f} ({errors(row, 'predicted_replay').get('p99', float('nan')):+.0%}) "
+            f"| {r.get('throughput_rps', float('nan')):.1f} "
+            f"({errors(row, 'predicted_replay').get('throughput', float('nan')):+.0%}), "
+            f"{r.get('p99_ms', float('nan')):.1f} ({errors(row, 'predicted_replay').get('p99', float('nan')):+.0%}) "
             f"| {'yes' if within_target(row, 'predicted') else 'NO'} / "
             f"{'yes' if within_target(row, 'predicted_replay') else 'NO'} |")
-    lines += ["", "With Triton 2.51's lost wake-up modelled (probability from the other levels' traces):", "",
-              "| config | load | P(missed) used | p50 ms meas / pred | p99 ms meas / pred | p99 pred, measured sends "
-              "| target met (steady / sends) |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "With Triton 2.51's lost wake-up modelled (probability measured on the config's other levels):", "",
+              "| config | load | P(missed) used | throughput meas / pred | p50 ms meas / pred | p99 ms meas / pred "
+              "| measured sends: throughput, p99 pred | target met (steady / sends) |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         m, p, r = row.get("measured"), row.get("predicted_lw") or {}, row.get("predicted_replay_lw") or {}
         if not p:
             continue
         lines.append(
             f"| {row['config']} | {row['fraction']:.0%} | {row['lost_wakeup_probability']:.2f} "
+            f"| {cell(m['throughput'], p['throughput_rps'])} "
             f"| {cell(m['p50_us'] / 1e3, p['p50_ms'])} | {cell(m['p99_us'] / 1e3, p['p99_ms'])} "
-            f"| {r.get('p99_ms', float('nan')):.1f} ({errors(row, 'predicted_replay_lw').get('p99', float('nan')):+.0%}) "
+            f"| {r.get('throughput_rps', float('nan')):.1f} "
+            f"({errors(row, 'predicted_replay_lw').get('throughput', float('nan')):+.0%}), "
+            f"{r.get('p99_ms', float('nan')):.1f} ({errors(row, 'predicted_replay_lw').get('p99', float('nan')):+.0%}) "
             f"| {'yes' if within_target(row, 'predicted_lw') else 'NO'} / "
             f"{'yes' if within_target(row, 'predicted_replay_lw') else 'NO'} |")
     lines += ["", "What Triton's trace shows (every request of the level):", "",

@@ -268,6 +268,13 @@ def test_plan_command_writes_a_servable_config_outside_the_model_repository(tmp_
     config = load_config(written)
     assert config.name == "resnet18_onnx" and config.max_batch_size in (8, 16)
     assert not (MODEL_REPOSITORY / "resnet18_onnx" / "configs" / "planned_test.pbtxt").exists()
+    assert config.dynamic_batching.default_queue_policy.max_queue_size > 0  # bounded by default
+
+    code = planner_main(["plan", "--profile", str(path), "--qps", "100", "--budget-ms", "600", "--requests", "4000",
+                         "--out", str(tmp_path / "out"), "--name", "unbounded", "--unbounded-queue"])
+    unbounded = load_config(tmp_path / "out" / "resnet18_onnx" / "configs" / "unbounded.pbtxt")
+    assert code == 0 and unbounded.HasField("dynamic_batching")
+    assert not unbounded.dynamic_batching.HasField("default_queue_policy")  # Triton then prefetches
 
 
 # -- reading Triton's request trace (validation) ------------------------------------------------------------
