@@ -167,6 +167,22 @@ def send_times_s(profile_json: Path) -> np.ndarray:
     return (np.array(stamps, dtype=float) - stamps[0]) / 1e9 if stamps else np.array([])
 
 
+def timestamps_throughput(profile_json: Path) -> float | None:
+    """Requests / (last response - first send), seconds from perf_analyzer's own per-request timestamps
+    (profile export); None without an export. perf_analyzer 2.51's summary throughput for a
+    --request-count run divides by a longer span (it came out 3-9% lower than this on every level of the
+    validation), so both sides of the comparison use this definition (see `predict`)."""
+    text = profile_json.read_text() if profile_json.exists() else ""
+    if not text.strip():
+        return None
+    requests = [r for e in json.loads(text)["experiments"] for r in e["requests"] if r.get("response_timestamps")]
+    if len(requests) < 2:
+        return None
+    first = min(r["timestamp"] for r in requests)
+    last = max(r["response_timestamps"][-1] for r in requests)
+    return len(requests) / ((last - first) / 1e9)
+
+
 def predict(rate_rps: float, batcher, profile: Profile, instances: int, requests: int = 20000, seed: int = 1,
             arrivals_s: np.ndarray | None = None, lost_wakeup: LostWakeup | None = None) -> dict:
     """The simulation's figures for one level: Poisson at rate_rps, or the given arrival times."""
@@ -177,8 +193,13 @@ def predict(rate_rps: float, batcher, profile: Profile, instances: int, requests
         warmup = 0.0  # perf_analyzer's figures cover every request of the level
     result = simulate(arrivals_s, batcher, profile, instances, seed=seed, warmup_fraction=warmup,
                       lost_wakeup=lost_wakeup)
-    return {**result.summary(), "queue_p99_ms": float(np.percentile(result.queue_s, 99) * 1e3)
-            if result.queue_s.size else 0.0}
+    summary = {**result.summary(), "queue_p99_ms": float(np.percentile(result.queue_s, 99) * 1e3)
+               if result.queue_s.size else 0.0}
+    if warmup == 0.0 and result.completed == len(arrivals_s) > 1:
+        # the replayed level, measured like `timestamps_throughput`: requests / (last answer - first send)
+        span_s = float(np.max(arrivals_s + result.latencies_s) - arrivals_s[0])
+        summary["throughput_rps"] = len(arrivals_s) / span_s
+    return summary
 
 
 def validate_config(model: str, name: str, profile: Profile, fractions: tuple[float, ...], out_dir: Path,
@@ -270,6 +291,10 @@ def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
         busy = sum(o["busy_completions"] for o in others)
         probability = sum(o["missed"] for o in others) / busy if busy else 0.0
         sends = send_times_s(Path(row["level_dir"]) / "profile.json")
+        measured_rps = timestamps_throughput(Path(row["level_dir"]) / "profile.json")
+        if measured_rps:
+            row["measured"].setdefault("throughput_perf_analyzer", row["measured"]["throughput"])
+            row["measured"]["throughput"] = measured_rps
         row["lost_wakeup_probability"] = probability
         for suffix, lost_wakeup in (("", None), ("_lw", LostWakeup(probability))):
             row["predicted" + suffix] = predict(row["rate_rps"], batcher, profile, instances,
