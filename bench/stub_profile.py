@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                   args=(args.model, config.grpc_url, "grpc", load, args.concurrency, args.out / "load"))
         loader.start()
         time.sleep(8.0)  # past perf_analyzer's start and the first batches
-        stubs = server.stub_processes()
+        stubs = {name: pid for name, pid in server.stub_processes().items() if name.startswith(args.model + "_")}
         records = {name: subprocess.Popen([str(py_spy), "record", "--idle", "-f", "raw", "-r", str(args.rate),
                                            "-d", str(int(args.seconds)), "-p", str(pid),
                                            "-o", str(args.out / f"{name}.txt")],
