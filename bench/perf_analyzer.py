@@ -128,16 +128,49 @@ def _gpu_utilization(row: dict) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def load_profile_export(profile_path: Path) -> dict:
+    """perf_analyzer's --profile-export-file as a dict ({"experiments": [...]}); {"experiments": []} when
+    the file is missing or empty. perf_analyzer 2.51 sometimes exits 0 with the file cut off at exactly
+    64 KiB (seen with `-b 1` runs of a few thousand requests): then the requests recorded completely
+    before the cut are kept (one experiment; its "experiment" entry, written first, is kept when whole),
+    and the result carries "truncated": True."""
+    text = Path(profile_path).read_text() if Path(profile_path).exists() else ""
+    if not text.strip():
+        return {"experiments": []}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    decoder = json.JSONDecoder()
+    experiment: dict = {"requests": []}
+    head = text.find('"experiment":')
+    if head >= 0:
+        try:
+            experiment["experiment"] = decoder.raw_decode(text, text.index("{", head))[0]
+        except (ValueError, json.JSONDecodeError):
+            pass
+    position = text.find('"requests":')
+    position = text.find("[", position) + 1 if position >= 0 else len(text)
+    while position < len(text):
+        start = text.find("{", position)
+        if start < 0:
+            break
+        try:
+            record, position = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            break  # the record the file was cut in
+        experiment["requests"].append(record)
+    return {"experiments": [experiment], "truncated": True}
+
+
 def latency_stats_us(profile_path: Path) -> dict[float, dict[str, float]]:
     """Per load level: mean, std, min, max latency (us) and request count, from --profile-export-file
     (latency = first response timestamp - send timestamp, for every request perf_analyzer recorded).
     Empty when perf_analyzer left the file empty (2.51 does with --request-rate-range + --request-count)."""
-    text = Path(profile_path).read_text() if Path(profile_path).exists() else ""
-    if not text.strip():
-        return {}
-    data = json.loads(text)
     stats = {}
-    for experiment in data["experiments"]:
+    for experiment in load_profile_export(profile_path)["experiments"]:
+        if "experiment" not in experiment:
+            continue
         latencies = np.array([(r["response_timestamps"][0] - r["timestamp"]) / 1000.0
                               for r in experiment["requests"] if r.get("response_timestamps")])
         if latencies.size:

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import machine_info
-from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, command, parse_csv
+from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, command, load_profile_export, parse_csv
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
 from planner.batcher import BatcherConfig
@@ -110,7 +110,7 @@ def run_fixed_batch(url: str, model: str, batch: int, concurrency: int, requests
     (row,) = parse_csv(out_dir / "perf.csv")
     record = asdict(row)
     sends, responses = [], []
-    data = json.loads((out_dir / "profile.json").read_text() or '{"experiments": []}')
+    data = load_profile_export(out_dir / "profile.json")
     for experiment in data["experiments"]:
         for r in experiment["requests"]:
             if r.get("response_timestamps"):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, run_level
+from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, load_profile_export, run_level
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY
 from planner.arrivals import Poisson
@@ -160,10 +160,7 @@ def trace_summary(requests: list[dict], batcher: BatcherConfig, stall_threshold_
 
 def send_times_s(profile_json: Path) -> np.ndarray:
     """The send timestamps (s, from the first) of every request in a perf_analyzer profile export."""
-    text = profile_json.read_text() if profile_json.exists() else ""
-    if not text.strip():
-        return np.array([])
-    stamps = sorted(r["timestamp"] for e in json.loads(text)["experiments"] for r in e["requests"])
+    stamps = sorted(r["timestamp"] for e in load_profile_export(profile_json)["experiments"] for r in e["requests"])
     return (np.array(stamps, dtype=float) - stamps[0]) / 1e9 if stamps else np.array([])
 
 
@@ -172,10 +169,8 @@ def timestamps_throughput(profile_json: Path) -> float | None:
     (profile export); None without an export. perf_analyzer 2.51's summary throughput for a
     --request-count run divides by a longer span (it came out 3-9% lower than this on every level of the
     validation), so both sides of the comparison use this definition (see `predict`)."""
-    text = profile_json.read_text() if profile_json.exists() else ""
-    if not text.strip():
-        return None
-    requests = [r for e in json.loads(text)["experiments"] for r in e["requests"] if r.get("response_timestamps")]
+    requests = [r for e in load_profile_export(profile_json)["experiments"] for r in e["requests"]
+                if r.get("response_timestamps")]
     if len(requests) < 2:
         return None
     first = min(r["timestamp"] for r in requests)

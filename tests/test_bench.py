@@ -95,3 +95,26 @@ def test_stub_profile_classifies_py_spy_samples(tmp_path):
         "Session.run (onnxruntime/capi/onnxruntime_inference_collection.py:395) 188\n"
         "TritonPythonModel.execute (model.py:59) 1\n")
     assert summarize(raw) == {"outside python": 3, "python": 2, "compute": 188}
+
+
+def test_a_profile_export_cut_off_keeps_the_complete_requests(tmp_path):
+    """perf_analyzer 2.51 can exit 0 with --profile-export-file cut at 64 KiB: the requests recorded
+    whole before the cut are kept, the one cut in half is dropped, and the result says it was cut."""
+    import json
+
+    from bench.perf_analyzer import latency_stats_us, load_profile_export
+
+    requests = [{"timestamp": 1_000_000 * i, "request_inputs": {"INPUT": 0.5},
+                 "response_timestamps": [1_000_000 * i + 2000], "response_outputs": [{"OUTPUT": 0.5}]}
+                for i in range(50)]
+    whole = json.dumps({"experiments": [{"experiment": {"mode": "concurrency", "value": 4},
+                                         "requests": requests, "window_boundaries": [0, 1]}], "version": "x"})
+    cut = whole[: whole.index('"timestamp": 30000000') + 20]  # in the middle of request 30
+    path = tmp_path / "profile.json"
+    path.write_text(cut)
+    data = load_profile_export(path)
+    assert data["truncated"] and len(data["experiments"][0]["requests"]) == 30
+    assert latency_stats_us(path) == {4.0: {"mean_us": 2.0, "std_us": 0.0, "min_us": 2.0, "max_us": 2.0,
+                                            "requests": 30}}
+    path.write_text(whole)
+    assert "truncated" not in load_profile_export(path) and latency_stats_us(path)[4.0]["requests"] == 50
