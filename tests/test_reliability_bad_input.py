@@ -84,12 +84,17 @@ def test_odd_but_valid_images_are_answered_like_the_local_transform(triton_serve
         client.close()
 
 
-def _outcome(client, module, data: bytes):
-    """(kind, status, message) of sending `data` to `preprocess`; pixels checked when answered."""
+def _outcome(server, protocol: str, data: bytes):
+    """(kind, status, message) of sending `data` to `preprocess` on a fresh client; pixels checked when
+    answered."""
+    module = protocol_module(protocol)
+    client = module.InferenceServerClient(url_for(server, protocol))
     try:
         pixels = send_image(client, module, PREPROCESS_MODEL, data, "pixels").as_numpy("pixels")
     except InferenceServerException as exc:
         return classify_error(exc)
+    finally:
+        client.close()
     assert pixels.shape == (1, 3, 224, 224) and np.isfinite(pixels).all()
     return ANSWERED, None, ""
 
@@ -113,12 +118,7 @@ FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None
 @FUZZ
 @given(data=st.binary(min_size=0, max_size=4096))
 def test_random_bytes_are_refused_as_invalid_input(triton_server, protocol, data):
-    module = protocol_module(protocol)
-    client = module.InferenceServerClient(url_for(triton_server, protocol))
-    try:
-        kind, status, message = _outcome(client, module, data)
-    finally:
-        client.close()
+    kind, status, message = _outcome(triton_server, protocol, data)
     assert kind == INVALID and "input 'image'" in message, (kind, status, message)
 
 
@@ -143,12 +143,7 @@ def test_corrupted_images_are_answered_or_refused_never_a_server_error(triton_se
     """A corruption may leave a decodable image (answered) or not (400 / INVALID_ARGUMENT naming the
     input); never 500 / INTERNAL, which is what Pillow's OSError and ValueError became before
     image_transform mapped them."""
-    module = protocol_module(protocol)
-    client = module.InferenceServerClient(url_for(triton_server, protocol))
-    try:
-        kind, status, message = _outcome(client, module, data)
-    finally:
-        client.close()
+    kind, status, message = _outcome(triton_server, protocol, data)
     assert kind == ANSWERED or (kind == INVALID and "input 'image'" in message), (kind, status, message)
 
 
