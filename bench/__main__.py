@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from bench import inprocess
 from bench.machine import cpu_share, cpu_ticks, machine_info
-from bench.perf_analyzer import LoadSpec, run_level
+from bench.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
 from bench.report import saturation_row, write_report
 from bench.server_stats import CpuSampler, model_statistics, statistics_delta
 from client.classifier import TritonClassifierClient
@@ -42,7 +42,6 @@ from server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 BENCH_REPOSITORY = Path(__file__).parent / "model_repository"
 IDENTITY_MODEL = "identity"
-FP32_LOGITS_BYTES = 1000 * 4
 
 
 def config_names(model: str) -> list[str]:
@@ -139,7 +138,8 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> di
         fallback = int(capacity * 2 * args.measurement_ms / 1000)  # about 2 windows' worth of requests
         levels = concurrency_levels(name, record["max_batch_size"], record["max_queue_size"], record["instances"],
                                     args.quick)
-        load = LoadSpec("concurrency", levels, shared_memory=args.shared_memory, output_shm_bytes=FP32_LOGITS_BYTES,
+        load = LoadSpec("concurrency", levels, shared_memory=args.shared_memory,
+                        output_shm_bytes=RESNET18_LOGITS_BYTES,
                         measurement_ms=args.measurement_ms, fallback_request_count=fallback)
         record["concurrency"] = []
         for level in load.levels:
@@ -159,7 +159,7 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> di
         # --async: with blocking calls perf_analyzer's rate mode can keep only as many requests in flight as
         # it has threads, and then sends below the asked rate once latency grows (seen: 15 of 39 req/s).
         rate_load = LoadSpec("request_rate", rates, shared_memory=args.shared_memory, async_mode=True,
-                             output_shm_bytes=FP32_LOGITS_BYTES, measurement_ms=args.measurement_ms,
+                             output_shm_bytes=RESNET18_LOGITS_BYTES, measurement_ms=args.measurement_ms,
                              fallback_request_count=fallback,
                              request_count=int(capacity * 2.5) if args.quick else 0)
         record["request_rate"] = []

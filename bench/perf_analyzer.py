@@ -236,6 +236,10 @@ def _run_once_more_if_hung(cmd: list[str], log_path: Path, env: dict, timeout_s:
     raise AssertionError("unreachable")
 
 
+#: --output-shared-memory-size for one row of resnet18_onnx's output: FP32 logits [1000], bytes.
+RESNET18_LOGITS_BYTES = 1000 * 4
+
+
 class PerfAnalyzerError(RuntimeError):
     """perf_analyzer exited non-zero (e.g. no stable measurement); the message carries its log tail."""
 

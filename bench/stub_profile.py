@@ -26,11 +26,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.perf_analyzer import LoadSpec, run_level
+from bench.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
 from export.artifacts import REPO_ROOT
 from server.embedded import EmbeddedTritonServer, config_on_free_ports
 
-FP32_LOGITS_BYTES = 1000 * 4
 #: Frames that are the model itself, not the Python around it.
 COMPUTE_FRAMES = ("Session.run", "torch/nn/modules", "RecursiveScriptModule")
 
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     with EmbeddedTritonServer(config, log_path=args.out / "tritonserver.log") as server:
         # perf_analyzer runs past the sampling window: warm-up, then at least the sampled seconds.
         load = LoadSpec("concurrency", (args.concurrency,), shared_memory="system",
-                        output_shm_bytes=FP32_LOGITS_BYTES, measurement_ms=int((args.seconds + 10) * 1000),
+                        output_shm_bytes=RESNET18_LOGITS_BYTES, measurement_ms=int((args.seconds + 10) * 1000),
                         max_trials=1, stability_pct=100)
         loader = threading.Thread(target=run_level, daemon=True,
                                   args=(args.model, config.grpc_url, "grpc", load, args.concurrency, args.out / "load"))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, load_profile_export, run_level
+from bench.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError, load_profile_export, run_level
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY
 from planner.arrivals import Poisson
@@ -34,7 +34,6 @@ from planner.search import device_capacity_rps
 from planner.simulator import LostWakeup, simulate
 from server.embedded import EmbeddedTritonServer, config_on_free_ports
 
-LOGITS_BYTES = 1000 * 4
 #: Queue-time histogram bins of the trace summary, milliseconds.
 QUEUE_BINS_MS = [0, 5, 10, 25, 50, 100, 200, 400, 600, 1000, 1e9]
 #: Pause between levels, so the trace can be split into levels by the gaps in its queue times.
@@ -158,19 +157,19 @@ def trace_summary(requests: list[dict], batcher: BatcherConfig, stall_threshold_
     }
 
 
-def send_times_s(profile_json: Path) -> np.ndarray:
-    """The send timestamps (s, from the first) of every request in a perf_analyzer profile export."""
-    stamps = sorted(r["timestamp"] for e in load_profile_export(profile_json)["experiments"] for r in e["requests"])
+def send_times_s(export: dict) -> np.ndarray:
+    """The send timestamps (s, from the first) of every request in a perf_analyzer profile export
+    (`load_profile_export`)."""
+    stamps = sorted(r["timestamp"] for e in export["experiments"] for r in e["requests"])
     return (np.array(stamps, dtype=float) - stamps[0]) / 1e9 if stamps else np.array([])
 
 
-def timestamps_throughput(profile_json: Path) -> float | None:
+def timestamps_throughput(export: dict) -> float | None:
     """Requests / (last response - first send), seconds from perf_analyzer's own per-request timestamps
-    (profile export); None without an export. perf_analyzer 2.51's summary throughput for a
+    (profile export, `load_profile_export`); None with fewer than 2 answered requests. perf_analyzer 2.51's summary throughput for a
     --request-count run divides by a longer span (it came out 3-9% lower than this on every level of the
     validation), so both sides of the comparison use this definition (see `predict`)."""
-    requests = [r for e in load_profile_export(profile_json)["experiments"] for r in e["requests"]
-                if r.get("response_timestamps")]
+    requests = [r for e in export["experiments"] for r in e["requests"] if r.get("response_timestamps")]
     if len(requests) < 2:
         return None
     first = min(r["timestamp"] for r in requests)
@@ -217,7 +216,8 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
         for fraction in fractions:
             rate = round(fraction * capacity, 2)
             count = max(requests_per_level, int(rate * min_level_s))
-            load = LoadSpec("request_rate", (rate,), shared_memory="system", output_shm_bytes=LOGITS_BYTES,
+            load = LoadSpec("request_rate", (rate,), shared_memory="system",
+                            output_shm_bytes=RESNET18_LOGITS_BYTES,
                             request_count=count, async_mode=True)
             level_dir = out / f"rate-{rate:g}"
             for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -285,8 +285,8 @@ def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
         others = [r["trace"]["missed_wakeups"] for r in (same or [r for _, r in traced])]
         busy = sum(o["busy_completions"] for o in others)
         probability = sum(o["missed"] for o in others) / busy if busy else 0.0
-        sends = send_times_s(Path(row["level_dir"]) / "profile.json")
-        measured_rps = timestamps_throughput(Path(row["level_dir"]) / "profile.json")
+        export = load_profile_export(Path(row["level_dir"]) / "profile.json")
+        sends, measured_rps = send_times_s(export), timestamps_throughput(export)
         if measured_rps:
             row["measured"].setdefault("throughput_perf_analyzer", row["measured"]["throughput"])
             row["measured"]["throughput"] = measured_rps
