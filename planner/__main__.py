@@ -21,7 +21,7 @@ from pathlib import Path
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
 from planner.arrivals import BALANCERS, Bursty, Poisson, Trace
 from planner.profile import Profile, constant_profile
-from planner.search import Plan, SearchSpace, Slo, format_plan, plan
+from planner.search import Plan, SearchSpace, Slo, format_plan, plan, speed_for
 from planner.simulator import LostWakeup, simulate
 
 DEFAULT_OUT = REPO_ROOT / "results" / "planner"
@@ -45,6 +45,10 @@ def _add_arrival_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, help="trace: arrival times file (seconds per line, or a "
                                                "perf_analyzer --profile-export-file JSON), rescaled to the rate")
     p.add_argument("--balancer", choices=BALANCERS, default="round_robin")
+
+
+STATIC_SPEED_HELP = ("ignore the profile's speed under load (planner/speed.py): execution times exactly as "
+                     "in the closed-loop table")
 
 
 def _lost_wakeup(probability: float) -> LostWakeup | None:
@@ -94,7 +98,7 @@ def cmd_plan(args) -> int:
     space = SearchSpace(instances=tuple(args.instances) if args.instances else None,
                         max_batch_sizes=tuple(args.max_batch_sizes) if args.max_batch_sizes else None,
                         balancer=args.balancer, requests=args.requests, max_utilization=args.max_utilization,
-                        lost_wakeup=_lost_wakeup(args.lost_wakeup))
+                        lost_wakeup=_lost_wakeup(args.lost_wakeup), speed_under_load=not args.static_speed)
     if args.unbounded_queue:
         space = replace(space, base_queue=None)
     elif args.model_config:
@@ -149,9 +153,12 @@ def cmd_simulate(args) -> int:
 
     arrivals = _arrival(args, args.rate).arrivals(args.requests, args.replicas, args.balancer,
                                                   np.random.default_rng(args.seed))
-    result = simulate(arrivals, batcher, profile, instances, seed=args.seed, lost_wakeup=_lost_wakeup(args.lost_wakeup))
+    speed = None if args.static_speed else speed_for(profile, batcher, instances, args.rate / args.replicas)
+    result = simulate(arrivals, batcher, profile, instances, seed=args.seed, lost_wakeup=_lost_wakeup(args.lost_wakeup),
+                      speed=speed)
     print(f"{path}: {batcher.describe()}, {instances} instance(s); {args.rate:g} req/s over {args.replicas} "
-          f"replica(s), {args.arrivals}, {args.balancer}")
+          f"replica(s), {args.arrivals}, {args.balancer}; speed under load: "
+          f"{f'trace at {speed.utilization:.0%} (mean factor {speed.mean:.2f})' if speed else 'none (static profile)'}")
     for key, value in result.summary().items():
         print(f"  {key:16s} {value:,.3f}" if isinstance(value, float) else f"  {key:16s} {value}")
     print(f"  batches          {result.batches}")
@@ -165,7 +172,7 @@ def cmd_profile(args) -> int:
     source_repository = Path(args.source_repository)
     profile = measure_profile(args.model, tuple(args.batch_sizes), tuple(args.instances), out / f"profile-{args.model}",
                               executions=args.executions, server_ceiling_rps=ceiling,
-                              source_repository=source_repository)
+                              source_repository=source_repository, speed_under_load=not args.no_speed)
     if source:
         profile.extra["server_ceiling_source"] = source
     path = profile.save(out / f"profile-{args.model}.json")
@@ -191,7 +198,8 @@ def cmd_validate(args) -> int:
     else:
         ceiling, source = server_ceiling_from_bench()
         profile = measure_profile(args.model, tuple(args.batch_sizes), tuple(args.instances), out / "profile",
-                                  executions=args.executions, server_ceiling_rps=ceiling)
+                                  executions=args.executions, server_ceiling_rps=ceiling,
+                                  speed_under_load=not args.no_speed)
         profile.extra["server_ceiling_source"] = source
         profile.save(out / f"profile-{args.model}.json")
     rows = []
@@ -244,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--into-model-repository", action="store_true",
                    help="write model_repository/<model>/configs/<name>.pbtxt instead of --out")
     p.add_argument("--json", type=Path, help="also write the plan as JSON")
+    p.add_argument("--static-speed", action="store_true", help=STATIC_SPEED_HELP)
     _add_arrival_options(p)
     p.set_defaults(func=cmd_plan)
 
@@ -260,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queue-delay-us", type=int)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--lost-wakeup", type=float, default=0.0)
+    p.add_argument("--static-speed", action="store_true", help=STATIC_SPEED_HELP)
     _add_arrival_options(p)
     p.set_defaults(func=cmd_simulate)
 
@@ -271,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--instances", type=int, nargs="+", default=[1])
         p.add_argument("--executions", type=int, default=12, help="back-to-back executions per size")
         p.add_argument("--out", type=Path, default=DEFAULT_OUT / command)
+        p.add_argument("--no-speed", action="store_true",
+                       help="skip the speed-under-load runs (planner/speed.py; ~80 s per instance count)")
         if command == "profile":
             p.add_argument("--source-repository", default=str(MODEL_REPOSITORY),
                            help="model repository holding --model (e.g. bench/model_repository for identity)")

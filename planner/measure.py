@@ -17,7 +17,11 @@ How, and why this way rather than from the per-batch-size statistics of a loaded
   * each measurement waits for other processes to leave the cores (planner/cpu.py) and is done again,
     up to 3 times, when they took more than 15% of them meanwhile (the shares are kept in the profile);
   * the fixed per-request overhead is the median latency of lone batch-1 requests (concurrency 1)
-    minus the batch-1 execution time: client, protocol and server front end.
+    minus the batch-1 execution time: client, protocol and server front end;
+  * the speed under load (planner/speed.py): batch-1 requests for SPEED_SECONDS closed loop (every
+    instance busy), then open loop (Poisson) at each of SPEED_UTILIZATIONS of the batch-1 capacity,
+    the statistics extension polled every SPEED_WINDOW_S; each window's mean compute_infer per
+    execution over the closed-loop run's mean is one factor.
 The server ceiling (requests/s through protocol and batcher whatever the model) is not measured here:
 it comes from the trivial-model run of `python -m bench` (results/bench-*/summary.json), see
 `server_ceiling_from_bench`.
@@ -28,6 +32,7 @@ import datetime
 import json
 import os
 import subprocess
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,17 +40,26 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import machine_info
-from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, command, load_profile_export, parse_csv
+from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, command, load_profile_export, parse_csv, run_level
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
 from planner.batcher import BatcherConfig
 from planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
 from planner.pbtxt import load_config, planned_config, write_config
 from planner.profile import BatchTiming, Profile
+from planner.speed import SpeedTrace, window_factors
 from server.embedded import EmbeddedTritonServer, config_on_free_ports, library_path
 
 #: Responses per instance left out of the profile at the start of each batch size's run.
 WARMUP_RESPONSES = 2
+#: perf_analyzer 2.51 now and then exits 0 with an empty profile export; the run is repeated up to this
+#: many times in all (its summary throughput for a short fixed count is far too low to stand in).
+EMPTY_EXPORT_ATTEMPTS = 3
+#: Speed under load: open-loop loads measured (fractions of capacity; 1.0, closed loop, always), the
+#: length of each run and of each window.
+SPEED_UTILIZATIONS = (0.25, 0.5, 0.75)
+SPEED_SECONDS = 20.0
+SPEED_WINDOW_S = 1.0
 
 _DTYPE_BYTES = {"TYPE_FP32": 4, "TYPE_FP16": 2, "TYPE_FP64": 8, "TYPE_INT32": 4, "TYPE_INT64": 8,
                 "TYPE_UINT8": 1, "TYPE_INT8": 1, "TYPE_BOOL": 1}
@@ -99,32 +113,103 @@ def run_fixed_batch(url: str, model: str, batch: int, concurrency: int, requests
     load = LoadSpec("concurrency", (concurrency,), shared_memory="system",
                     output_shm_bytes=row_bytes * batch, request_count=requests)
     cmd = command(model, url, "grpc", load, concurrency, out_dir, count=requests) + ["-b", str(batch)]
-    (out_dir / "profile.json").unlink(missing_ok=True)
     (out_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-    with open(out_dir / "perf_analyzer.log", "w") as log:
-        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                env=dict(os.environ, LD_LIBRARY_PATH=library_path()))
-    if result.returncode != 0:
-        tail = "\n".join((out_dir / "perf_analyzer.log").read_text().splitlines()[-8:])
-        raise PerfAnalyzerError(f"perf_analyzer -b {batch} exited {result.returncode}:\n{tail}")
+    for attempt in range(1, EMPTY_EXPORT_ATTEMPTS + 1):
+        (out_dir / "profile.json").unlink(missing_ok=True)
+        with open(out_dir / "perf_analyzer.log", "w") as log:
+            result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                    env=dict(os.environ, LD_LIBRARY_PATH=library_path()))
+        if result.returncode != 0:
+            tail = "\n".join((out_dir / "perf_analyzer.log").read_text().splitlines()[-8:])
+            raise PerfAnalyzerError(f"perf_analyzer -b {batch} exited {result.returncode}:\n{tail}")
+        data = load_profile_export(out_dir / "profile.json")
+        answered = [r for e in data["experiments"] for r in e["requests"] if r.get("response_timestamps")]
+        if answered:
+            break
+    else:
+        raise PerfAnalyzerError(f"perf_analyzer -b {batch} wrote an empty profile export "
+                                f"{EMPTY_EXPORT_ATTEMPTS} times ({out_dir / 'profile.json'})")
     (row,) = parse_csv(out_dir / "perf.csv")
     record = asdict(row)
-    sends, responses = [], []
-    data = load_profile_export(out_dir / "profile.json")
-    for experiment in data["experiments"]:
-        for r in experiment["requests"]:
-            if r.get("response_timestamps"):
-                sends.append(r["timestamp"] / 1e9)
-                responses.append(r["response_timestamps"][0] / 1e9)
+    sends = [r["timestamp"] / 1e9 for r in answered]
+    responses = [r["response_timestamps"][0] / 1e9 for r in answered]
     record["latencies_s"] = sorted(np.subtract(responses, sends).tolist())
     record["responses_s"] = sorted(responses)
     return record
 
 
+class ExecutionPoller:
+    """Snapshots of a model's cumulative (execution_count, compute_infer ns) from the statistics
+    extension every `window_s` seconds, in a thread, between __enter__ and __exit__ (both ends included)."""
+
+    def __init__(self, http_url: str, model: str, window_s: float):
+        self.http_url, self.model, self.window_s = http_url, model, window_s
+        self.samples: list[tuple[int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        stats = model_statistics(self.http_url, self.model)
+        self.samples.append((int(stats["execution_count"]), int(stats["inference_stats"]["compute_infer"]["ns"])))
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            self._sample()
+            next_at += self.window_s
+            self._stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def __enter__(self) -> "ExecutionPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec1_ms: float, out_dir: Path,
+                  row_bytes: int, session_id: int | None = None,
+                  progress=print) -> tuple[tuple[SpeedTrace, ...], dict]:
+    """The speed traces of one instance count (module doc): closed loop, then each SPEED_UTILIZATIONS
+    fraction of the batch-1 capacity (instances / exec1_ms) open loop. Needs a server without dynamic
+    batching (every request one execution of batch 1); session_id: the server's, for the CPU accounting.
+    Returns (traces ascending by utilization, details)."""
+    capacity_rps = instances / (exec1_ms / 1e3)
+    traces, details = [], {}
+    baseline_ms = 0.0
+    for utilization in (1.0, *SPEED_UTILIZATIONS):
+        wait_until_quiet(session_id=session_id)
+        cpu = CpuAccount(session_id).start()
+        with ExecutionPoller(http_url, model, SPEED_WINDOW_S) as poller:
+            if utilization == 1.0:
+                run_fixed_batch(grpc_url, model, 1, 2 * instances, int(SPEED_SECONDS * capacity_rps),
+                                out_dir / "closed", row_bytes)
+            else:
+                rate = round(utilization * capacity_rps, 2)
+                load = LoadSpec("request_rate", (rate,), shared_memory="system", output_shm_bytes=row_bytes,
+                                request_count=int(SPEED_SECONDS * rate), async_mode=True)
+                run_level(model, grpc_url, "grpc", load, rate, out_dir / f"open-{utilization:g}")
+        (count_a, ns_a), (count_b, ns_b) = poller.samples[0], poller.samples[-1]
+        mean_ms = (ns_b - ns_a) / max(1, count_b - count_a) / 1e6
+        baseline_ms = baseline_ms or mean_ms
+        factors = window_factors(poller.samples, baseline_ms)
+        if factors:
+            traces.append(SpeedTrace(utilization, SPEED_WINDOW_S, tuple(factors)))
+        details[f"{utilization:g}"] = {"mean_compute_ms": mean_ms, "windows": len(factors), "cpu": cpu.stop()}
+        progress(f"profile: {instances} instance(s), speed at {utilization:.0%} load: mean execution "
+                 f"{mean_ms:.1f} ms (x{mean_ms / baseline_ms:.2f}), windows x{min(factors, default=0):.2f}"
+                 f"..x{max(factors, default=0):.2f}")
+    return tuple(sorted(traces, key=lambda t: t.utilization)), details
+
+
 def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: tuple[int, ...], out_dir: Path,
                     executions: int = 12, server_ceiling_rps: float = 0.0,
-                    source_repository: Path = MODEL_REPOSITORY, progress=print) -> Profile:
-    """Measure `model`'s profile for each instance count (one server start each) and batch size.
+                    source_repository: Path = MODEL_REPOSITORY, speed_under_load: bool = True,
+                    progress=print) -> Profile:
+    """Measure `model`'s profile for each instance count (one server start each) and batch size, and
+    (speed_under_load, with batch 1 among the sizes) its speed traces (`measure_speed`).
 
     executions: back-to-back executions measured per instance and batch size (after 2 discarded).
     Writes perf_analyzer's files under out_dir/<instances>x/b<B>/ and returns the Profile.
@@ -134,6 +219,7 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
     timings: dict[int, dict[int, BatchTiming]] = {}
     details: dict = {"runs": {}, "instance_parameters": {}}
     overhead_us = 0.0
+    speed: dict[int, tuple[SpeedTrace, ...]] = {}
     for instances in instance_counts:
         level_dir = out_dir / f"{instances}x"
         repository, params = scratch_repository(model, level_dir, max(batch_sizes), instances, source_repository)
@@ -187,6 +273,10 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
                     instances] else 0.0
                 details["lone_request_p50_ms"] = lone_ms
                 progress(f"profile: lone batch-1 request p50 {lone_ms:.1f} ms -> overhead {overhead_us:.0f} us")
+            if speed_under_load and 1 in timings[instances]:
+                speed[instances], details.setdefault("speed_under_load", {})[str(instances)] = measure_speed(
+                    url, http, model, instances, timings[instances][1].mean_ms, level_dir / "speed", row_bytes,
+                    server.process.pid, progress)
     # Standard deviation where it could not be measured: the one-instance coefficient of variation.
     one = timings.get(1, {})
     cvs = [t.std_ms / t.mean_ms for t in one.values() if t.std_ms == t.std_ms and t.mean_ms > 0]
@@ -202,7 +292,7 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
         source=("perf_analyzer -b B at concurrency 2 x instances against a no-batcher copy of the config "
                 "(planner/measure.py); exec = instances x B / throughput; std from response gaps "
                 f"(1 instance; others: CV {cv:.3f} x mean); overhead = lone batch-1 p50 - exec(1)"),
-        measured_utc=started.isoformat(timespec="seconds"), extra=details)
+        measured_utc=started.isoformat(timespec="seconds"), extra=details, speed=speed)
     return profile
 
 

@@ -12,7 +12,10 @@ File format (`PROFILE_FORMAT`):
     {"format": "triton-capacity-profile/1", "model": "resnet18_onnx", "device": "2-core CPU ...",
      "source": "how it was measured", "measured_utc": "...",
      "overhead_us": 900.0, "server_ceiling_rps": 4976.0,
-     "instances": {"1": {"1": {"mean_ms": 22.1, "std_ms": 1.9, "executions": 40}, "8": {...}}}}
+     "instances": {"1": {"1": {"mean_ms": 22.1, "std_ms": 1.9, "executions": 40}, "8": {...}}},
+     "speed_under_load": {"1": [{"utilization": 0.25, "window_s": 1.0, "factors": [1.12, 1.31, ...]}, ...]}}
+
+"speed_under_load" is optional (planner/speed.py): how the execution time moves with the load served.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from planner.speed import SpeedTrace, nearest
 
 PROFILE_FORMAT = "triton-capacity-profile/1"
 
@@ -45,6 +50,8 @@ class Profile:
         server front end), microseconds; added to every simulated latency.
     server_ceiling_rps: requests/s one server (one replica) can take in through its protocol stack and
         batcher whatever the model, 0 = unknown/unbounded (measured with a trivial model).
+    speed: {instances: SpeedTrace per measured utilization, ascending} (planner/speed.py); empty = the
+        execution time does not depend on the load (the table is used as is).
     """
 
     model: str
@@ -55,6 +62,7 @@ class Profile:
     source: str = ""
     measured_utc: str = ""
     extra: dict = field(default_factory=dict)
+    speed: dict[int, tuple[SpeedTrace, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.timings or any(not by_batch for by_batch in self.timings.values()):
@@ -119,6 +127,11 @@ class Profile:
         its `instances` instances busy: max over b <= max_batch of instances x b / exec_s(b)."""
         return max(instances * b / self.exec_s(b, instances) for b in range(1, max_batch + 1))
 
+    def speed_trace(self, instances: int, utilization: float) -> SpeedTrace | None:
+        """The speed trace for `instances` measured nearest to `utilization` (offered load / capacity),
+        or None when the profile has none for that instance count."""
+        return nearest(self.speed.get(instances, ()), utilization)
+
     # -- JSON --------------------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
@@ -130,6 +143,8 @@ class Profile:
                                             "executions": t.executions}
                                    for b, t in sorted(by_batch.items())}
                           for n, by_batch in sorted(self.timings.items())},
+            **({"speed_under_load": {str(n): [t.to_json() for t in traces]
+                                     for n, traces in sorted(self.speed.items())}} if self.speed else {}),
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -144,7 +159,9 @@ class Profile:
         return cls(model=data["model"], timings=timings, overhead_us=float(data.get("overhead_us", 0.0)),
                    server_ceiling_rps=float(data.get("server_ceiling_rps", 0.0)), device=data.get("device", ""),
                    source=data.get("source", ""), measured_utc=data.get("measured_utc", ""),
-                   extra=data.get("extra", {}))
+                   extra=data.get("extra", {}),
+                   speed={int(n): tuple(SpeedTrace.from_json(t) for t in traces)
+                          for n, traces in data.get("speed_under_load", {}).items()})
 
     def save(self, path: Path) -> Path:
         path = Path(path)

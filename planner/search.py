@@ -28,6 +28,7 @@ from planner.arrivals import Poisson
 from planner.batcher import BatcherConfig, QueuePolicy
 from planner.profile import Profile
 from planner.simulator import LostWakeup, SimResult, simulate
+from planner.speed import SpeedTrace
 
 
 #: Relative latency difference below which two candidates with the same device count are ranked equal.
@@ -60,6 +61,9 @@ class SearchSpace:
     base_queue: queue policy written with the plan (max_queue_size is set by the planner, see
         `queue_size_for`); None = no queue policy at all (unbounded queue, payload prefetching: no lost
         wake-up in Triton 2.51, see docs/capacity.md).
+    lost_wakeup: Triton 2.51's lost wake-up, modelled when given (planner.simulator.LostWakeup).
+    speed_under_load: scale execution times by the profile's speed trace for each candidate's load
+        (planner/speed.py) when the profile has one.
     """
 
     instances: tuple[int, ...] | None = None
@@ -72,6 +76,7 @@ class SearchSpace:
     max_utilization: float = 1.0
     base_queue: QueuePolicy | None = field(default_factory=lambda: QueuePolicy(allow_timeout_override=True))
     lost_wakeup: LostWakeup | None = None
+    speed_under_load: bool = True
 
 
 @dataclass
@@ -127,6 +132,12 @@ def device_capacity_rps(profile: Profile, batcher: BatcherConfig, instances: int
     return min(capacity, profile.server_ceiling_rps) if profile.server_ceiling_rps else capacity
 
 
+def speed_for(profile: Profile, batcher: BatcherConfig, instances: int, offered_rps: float) -> SpeedTrace | None:
+    """The profile's speed trace (planner/speed.py) measured nearest to this load: offered requests/s
+    over the device's capacity with this config; None when the profile has none."""
+    return profile.speed_trace(instances, offered_rps / device_capacity_rps(profile, batcher, instances))
+
+
 def capacity_bound(target_rps: float, capacity_rps: float, max_utilization: float = 1.0) -> int:
     """The smallest device count whose per-device load is strictly below max_utilization x capacity."""
     return math.floor(target_rps / (max_utilization * capacity_rps)) + 1
@@ -170,8 +181,10 @@ def evaluate(candidate: Candidate, devices: int, target_rps: float, profile: Pro
     rng = np.random.default_rng(space.seed)
     arrivals = process.arrivals(space.requests, devices, space.balancer, rng)
     candidate.simulations += 1
+    speed = speed_for(profile, candidate.batcher, candidate.instances, target_rps / devices) \
+        if space.speed_under_load else None
     return simulate(arrivals, candidate.batcher, profile, candidate.instances, seed=space.seed,
-                    lost_wakeup=space.lost_wakeup)
+                    lost_wakeup=space.lost_wakeup, speed=speed)
 
 
 def meets(result: SimResult, slo: Slo) -> bool:

@@ -15,7 +15,9 @@ What happens, in simulated time:
     arrival; while every instance is busy it forms nothing, and every 500 ms it rejects timed-out
     requests anywhere in the queue (Triton's WaitForPayloadSlotAvailable);
   * an execution of a batch of b takes the profile's time for b with this instance count (a gamma draw
-    with the measured mean and standard deviation, or the mean when `exec_noise` is False).
+    with the measured mean and standard deviation, or the mean when `exec_noise` is False), times the
+    speed factor of the moment when a `speed` trace is given (planner/speed.py: how the execution time
+    moves with the load served, measured; `speed_for` in planner/search.py picks the trace for a load).
 
 Optional, off by default and always reported: `lost_wakeup`, a model of Triton 2.51's lost wake-up
 (see LostWakeup), so the documented algorithm and the server's known deviation stay separable.
@@ -31,6 +33,7 @@ import numpy as np
 
 from planner.batcher import BatcherConfig, Request, drop_all_expired, form_batch
 from planner.profile import Profile
+from planner.speed import SpeedTrace
 
 #: Triton's batcher re-checks the queue every 500 ms when it has nothing to do, or while it waits for
 #: an idle instance (default_wait_microseconds in dynamic_batch_scheduler.cc).
@@ -104,17 +107,20 @@ class SimResult:
 def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, instances: int = 1, *,
              sizes: np.ndarray | None = None, timeouts_us: np.ndarray | None = None,
              exec_noise: bool = True, warmup_fraction: float = 0.1, seed: int = 0,
-             lost_wakeup: LostWakeup | None = None) -> SimResult:
+             lost_wakeup: LostWakeup | None = None, speed: SpeedTrace | None = None) -> SimResult:
     """Simulate one replica serving requests arriving at `arrivals_s` (sorted, seconds).
 
     sizes: batch size of each request (default 1). timeouts_us: per-request queue timeout asked by the
     client (0 = none; applied as Triton does, see QueuePolicy.timeout_s). The first `warmup_fraction`
-    of the requests load the system but are left out of the figures.
+    of the requests load the system but are left out of the figures. speed: execution-time factors
+    over time (block bootstrap from the first arrival on), None = the profile's times as they are.
     """
     arrivals_s = np.asarray(arrivals_s, dtype=float)
     n = arrivals_s.size
     sizes = np.ones(n, dtype=int) if sizes is None else np.asarray(sizes, dtype=int)
     rng = np.random.default_rng(seed)
+    speed_at = speed.sampler(np.random.default_rng(seed + 1)) if speed else None
+    start_s = arrivals_s[0] if n else 0.0
     max_batch = config.max_batch_size
     mean_s, std_s = profile.exec_table_s(max_batch, instances)
     shape = np.where(std_s > 0, (mean_s / np.where(std_s > 0, std_s, 1)) ** 2, 0.0)
@@ -155,6 +161,8 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
             duration = rng.gamma(shape[total], mean_s[total] / shape[total])
         else:
             duration = mean_s[total]
+        if speed_at:
+            duration *= speed_at(now - start_s)
         for r in batch:
             r.start_s = now
         idle -= 1

@@ -30,7 +30,7 @@ from planner.batcher import BatcherConfig, QueuePolicy
 from planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
 from planner.pbtxt import batcher_from_config, instance_count, load_config
 from planner.profile import Profile
-from planner.search import device_capacity_rps
+from planner.search import device_capacity_rps, speed_for
 from planner.simulator import LostWakeup, simulate
 from server.embedded import EmbeddedTritonServer, config_on_free_ports
 
@@ -125,7 +125,8 @@ def missed_wakeups(requests: list[dict], batcher: BatcherConfig, tolerance_s: fl
 
 def trace_summary(requests: list[dict], batcher: BatcherConfig, stall_threshold_s: float = 0.4) -> dict:
     """Queue-time distribution of one level's traced requests, the idle-instance part of each wait,
-    and the missed wake-ups (`missed_wakeups`).
+    the missed wake-ups (`missed_wakeups`), and the executions per batch size ("execution_ms":
+    {batch: [executions, mean COMPUTE_START..COMPUTE_END ms]}).
 
     idle wait: the part of a request's queue time during which no execution was running (computed from
     the executions' COMPUTE_START..COMPUTE_END intervals; exact with one instance).
@@ -143,6 +144,10 @@ def trace_summary(requests: list[dict], batcher: BatcherConfig, stall_threshold_
         idle_s.append(max(0.0, (b - a) - busy))
     idle_s = np.array(idle_s)
     batch_sizes = np.unique([r["COMPUTE_START"] for r in requests], return_counts=True)[1]
+    by_batch: dict[int, list[float]] = {}
+    for start, end in executions:
+        size = sum(1 for r in requests if r["COMPUTE_START"] == start)
+        by_batch.setdefault(size, []).append((end - start) / 1e6)
     return {
         "requests": len(requests), "executions": len(executions),
         "average_batch": float(batch_sizes.mean()),
@@ -154,6 +159,7 @@ def trace_summary(requests: list[dict], batcher: BatcherConfig, stall_threshold_
         "idle_wait_p99_ms": float(np.percentile(idle_s, 99) * 1e3),
         "queue_hist_ms": np.histogram(queue_s * 1e3, bins=QUEUE_BINS_MS)[0].tolist(),
         "missed_wakeups": missed_wakeups(requests, batcher),
+        "execution_ms": {str(b): [len(d), float(np.mean(d))] for b, d in sorted(by_batch.items())},
     }
 
 
@@ -178,16 +184,21 @@ def timestamps_throughput(export: dict) -> float | None:
 
 
 def predict(rate_rps: float, batcher, profile: Profile, instances: int, requests: int = 20000, seed: int = 1,
-            arrivals_s: np.ndarray | None = None, lost_wakeup: LostWakeup | None = None) -> dict:
-    """The simulation's figures for one level: Poisson at rate_rps, or the given arrival times."""
+            arrivals_s: np.ndarray | None = None, lost_wakeup: LostWakeup | None = None,
+            speed_under_load: bool = True) -> dict:
+    """The simulation's figures for one level: Poisson at rate_rps, or the given arrival times; with the
+    profile's speed trace nearest to the level's load (rate / capacity) unless speed_under_load is False."""
     if arrivals_s is None:
         arrivals_s = Poisson(rate_rps).arrivals(requests, 1, "random", np.random.default_rng(seed))
         warmup = 0.1
     else:
         warmup = 0.0  # perf_analyzer's figures cover every request of the level
+    speed = speed_for(profile, batcher, instances, rate_rps) if speed_under_load else None
     result = simulate(arrivals_s, batcher, profile, instances, seed=seed, warmup_fraction=warmup,
-                      lost_wakeup=lost_wakeup)
-    summary = {**result.summary(), "queue_p99_ms": float(np.percentile(result.queue_s, 99) * 1e3)
+                      lost_wakeup=lost_wakeup, speed=speed)
+    summary = {**result.summary(), "speed_utilization": speed.utilization if speed else None,
+               "speed_factor": speed.mean if speed else None,
+               "queue_p99_ms": float(np.percentile(result.queue_s, 99) * 1e3)
                if result.queue_s.size else 0.0}
     if warmup == 0.0 and result.completed == len(arrivals_s) > 1:
         # the replayed level, measured like `timestamps_throughput`: requests / (last answer - first send)
@@ -270,10 +281,21 @@ def row_batcher(row: dict) -> BatcherConfig:
     return BatcherConfig(**fields)
 
 
+def speed_factor(trace: dict, profile: Profile, instances: int) -> float | None:
+    """The level's executions (Triton's trace) against the profile: mean over executions of the traced
+    duration over the profile's time for that batch size (None without a trace)."""
+    ratios = [(count, mean_ms / (profile.exec_s(int(b), instances) * 1e3))
+              for b, (count, mean_ms) in (trace.get("execution_ms") or {}).items()
+              if int(b) <= profile.max_batch_size(instances)]
+    total = sum(c for c, _ in ratios)
+    return sum(c * r for c, r in ratios) / total if total else None
+
+
 def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
     """Predict every measured level (module doc): "predicted" (Poisson, steady state), "predicted_replay"
-    (perf_analyzer's own send times, from an empty server, as measured), and the same two with the
-    lost wake-up modelled ("..._lw") at the probability measured on the traces of the config's OTHER
+    (perf_analyzer's own send times, from an empty server, as measured), both with the profile's speed
+    under load (planner/speed.py); the same two without it ("..._static", the closed-loop table as is),
+    and with the lost wake-up modelled ("..._lw") at the probability measured on the traces of the config's OTHER
     levels (leave-one-out: a level's own trace never feeds its prediction; the probability depends on
     the config, e.g. on its instance count, so other configs are used only when it has no other level)."""
     for i, row in enumerate(rows):
@@ -291,12 +313,15 @@ def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
             row["measured"].setdefault("throughput_perf_analyzer", row["measured"]["throughput"])
             row["measured"]["throughput"] = measured_rps
         row["lost_wakeup_probability"] = probability
-        for suffix, lost_wakeup in (("", None), ("_lw", LostWakeup(probability))):
+        row["speed_factor_measured"] = speed_factor(row.get("trace") or {}, profile, instances)
+        for suffix, lost_wakeup, speed in (("", None, True), ("_lw", LostWakeup(probability), True),
+                                           ("_static", None, False)):
             row["predicted" + suffix] = predict(row["rate_rps"], batcher, profile, instances,
-                                                lost_wakeup=lost_wakeup)
+                                                lost_wakeup=lost_wakeup, speed_under_load=speed)
             row["predicted_replay" + suffix] = predict(row["rate_rps"], batcher, profile, instances,
-                                                       arrivals_s=sends, lost_wakeup=lost_wakeup) \
-                if sends.size > 10 else {}
+                                                       arrivals_s=sends, lost_wakeup=lost_wakeup,
+                                                       speed_under_load=speed) if sends.size > 10 else {}
+        row["speed_factor_model"] = row["predicted"].get("speed_factor")
     return rows
 
 
@@ -315,48 +340,54 @@ def within_target(row: dict, key: str) -> bool:
     return bool(e) and abs(e["throughput"]) <= 0.10 and abs(e["p99"]) <= 0.25
 
 
-def format_table(rows: list[dict]) -> str:
-    """The validation tables (Markdown): predicted vs measured, and what the trace shows."""
+def _prediction_table(rows: list[dict], suffix: str) -> list[str]:
+    """One Markdown table of measured vs predicted[suffix] (steady state and replayed sends)."""
     def cell(m: float, p: float) -> str:
         return f"{m:.1f} / {p:.1f} ({p / m - 1:+.0%})"
 
-    lines = ["| config | load | rate req/s | throughput meas / pred | p50 ms meas / pred | p99 ms meas / pred "
-             "| measured sends: throughput, p99 pred | target met (steady / sends) |", "|---|---|---|---|---|---|---|---|"]
+    steady, replay = "predicted" + suffix, "predicted_replay" + suffix
+    lines = ["| config | load | rate req/s | speed trace | P(missed) | throughput meas / pred | p50 ms meas / pred "
+             "| p99 ms meas / pred | measured sends: throughput, p99 pred | target met (steady / sends) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} | perf_analyzer failed: "
-                         f"{row['error'].splitlines()[-1][:80]} | | | | |")
+            lines.append(f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} | | | perf_analyzer "
+                         f"failed: {row['error'].splitlines()[-1][:80]} | | | | |")
             continue
-        m, p, r = row["measured"], row["predicted"], row.get("predicted_replay") or {}
+        m, p, r = row["measured"], row.get(steady) or {}, row.get(replay) or {}
+        if not p:
+            continue
+        trace = p.get("speed_utilization")
         lines.append(
             f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} "
+            f"| {f'{trace:.0%}' if trace is not None else 'none'} "
+            f"| {row['lost_wakeup_probability'] if suffix == '_lw' else 0:.2f} "
             f"| {cell(m['throughput'], p['throughput_rps'])} | {cell(m['p50_us'] / 1e3, p['p50_ms'])} "
             f"| {cell(m['p99_us'] / 1e3, p['p99_ms'])} "
             f"| {r.get('throughput_rps', float('nan')):.1f} "
-            f"({errors(row, 'predicted_replay').get('throughput', float('nan')):+.0%}), "
-            f"{r.get('p99_ms', float('nan')):.1f} ({errors(row, 'predicted_replay').get('p99', float('nan')):+.0%}) "
-            f"| {'yes' if within_target(row, 'predicted') else 'NO'} / "
-            f"{'yes' if within_target(row, 'predicted_replay') else 'NO'} |")
-    lines += ["", "With Triton 2.51's lost wake-up modelled (probability measured on the config's other levels):", "",
-              "| config | load | P(missed) used | throughput meas / pred | p50 ms meas / pred | p99 ms meas / pred "
-              "| measured sends: throughput, p99 pred | target met (steady / sends) |", "|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        m, p, r = row.get("measured"), row.get("predicted_lw") or {}, row.get("predicted_replay_lw") or {}
-        if not p:
-            continue
-        lines.append(
-            f"| {row['config']} | {row['fraction']:.0%} | {row['lost_wakeup_probability']:.2f} "
-            f"| {cell(m['throughput'], p['throughput_rps'])} "
-            f"| {cell(m['p50_us'] / 1e3, p['p50_ms'])} | {cell(m['p99_us'] / 1e3, p['p99_ms'])} "
-            f"| {r.get('throughput_rps', float('nan')):.1f} "
-            f"({errors(row, 'predicted_replay_lw').get('throughput', float('nan')):+.0%}), "
-            f"{r.get('p99_ms', float('nan')):.1f} ({errors(row, 'predicted_replay_lw').get('p99', float('nan')):+.0%}) "
-            f"| {'yes' if within_target(row, 'predicted_lw') else 'NO'} / "
-            f"{'yes' if within_target(row, 'predicted_replay_lw') else 'NO'} |")
+            f"({errors(row, replay).get('throughput', float('nan')):+.0%}), "
+            f"{r.get('p99_ms', float('nan')):.1f} ({errors(row, replay).get('p99', float('nan')):+.0%}) "
+            f"| {'yes' if within_target(row, steady) else 'NO'} / {'yes' if within_target(row, replay) else 'NO'} |")
+    return lines
+
+
+def _factor(value: float | None) -> str:
+    return f"x{value:.2f}" if value else "-"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The validation tables (Markdown): predicted vs measured (the model; without the speed under load;
+    with the lost wake-up), and what the trace shows."""
+    lines = _prediction_table(rows, "")
+    lines += ["", "Without the speed under load (the closed-loop profile table as is):", "",
+              *_prediction_table(rows, "_static")]
+    lines += ["", "With Triton 2.51's lost wake-up modelled too (probability measured on the config's other levels):",
+              "", *_prediction_table(rows, "_lw")]
     lines += ["", "What Triton's trace shows (every request of the level):", "",
               "| config | load | batch meas / pred | queue p50 / p99 ms (trace) | queued > 400 ms "
               "(with the instance idle) | missed wake-ups / busy completions (rescued by an arrival) "
-              "| CPU other processes / steal | perf_analyzer |", "|---|---|---|---|---|---|---|---|"]
+              "| execution time / profile: trace, speed model | CPU other processes / steal | perf_analyzer |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
             continue
@@ -366,6 +397,7 @@ def format_table(rows: list[dict]) -> str:
             f"{row['predicted']['average_batch']:.2f} | {t.get('queue_p50_ms', float('nan')):.1f} / "
             f"{t.get('queue_p99_ms', float('nan')):.1f} | {t.get('stalled', '?')} ({t.get('stalled_idle', '?')}) "
             f"of {t.get('requests', '?')} | {mw.get('missed', '?')} / {mw.get('busy_completions', '?')} "
-            f"({mw.get('rescued_by_arrival', '?')}) | {row['cpu']['foreign']:.0%} / {row['cpu']['steal']:.0%} "
+            f"({mw.get('rescued_by_arrival', '?')}) | {_factor(row.get('speed_factor_measured'))}, "
+            f"{_factor(row.get('speed_factor_model'))} | {row['cpu']['foreign']:.0%} / {row['cpu']['steal']:.0%} "
             f"| {row['perf_analyzer_delayed'] or 'kept the rate'} |")
     return "\n".join(lines)

@@ -13,8 +13,9 @@ from planner.arrivals import Bursty, Poisson, Trace
 from planner.batcher import BatcherConfig, QueuePolicy, Request, form_batch
 from planner.pbtxt import batcher_from_config, instance_count, load_config, planned_config, write_config
 from planner.profile import BatchTiming, Profile, constant_profile
-from planner.search import SearchSpace, Slo, capacity_bound, plan
+from planner.search import SearchSpace, Slo, capacity_bound, plan, speed_for
 from planner.simulator import LostWakeup, simulate
+from planner.speed import SpeedTrace, window_factors
 from export.artifacts import MODEL_REPOSITORY
 
 
@@ -152,6 +153,59 @@ def test_lost_wakeup_model_holds_the_queue_until_the_next_arrival_or_500_ms():
     # arrival of request 4 at 1.3 s; request 4, queued when request 3 ends at 1.4 s, waits to 1.9 s.
     assert np.round(stalled.latencies_s * 1e3).tolist() == [100, 650, 100, 350, 700]
     assert stalled.stalls == 3
+
+
+# -- speed under load (planner/speed.py) -------------------------------------------------------------------
+
+def test_window_factors_divide_each_windows_mean_execution_by_the_baseline():
+    # cumulative (executions, compute ns): 10 x 20 ms, then 10 x 30 ms, then 2 executions (too few), then 5 x 40 ms
+    samples = [(0, 0), (10, 200_000_000), (20, 500_000_000), (22, 560_000_000), (27, 760_000_000)]
+    assert window_factors(samples, baseline_ms=20.0) == pytest.approx([1.0, 1.5, 2.0])
+
+
+def test_speed_sampler_replays_measured_blocks_in_order():
+    trace = SpeedTrace(0.5, 1.0, (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6))
+    factor_at = trace.sampler(np.random.default_rng(0), block_windows=3)
+    drawn = [factor_at(t + 0.5) for t in range(300)]
+    assert set(drawn) <= set(trace.factors)
+    for block in range(100):  # each block of 3 windows is 3 consecutive measured windows
+        a, b, c = drawn[3 * block:3 * block + 3]
+        assert b == pytest.approx(a + 0.1) and c == pytest.approx(b + 0.1)
+    assert np.mean(drawn) == pytest.approx(1.3, abs=0.05)
+    assert factor_at(0.2) == drawn[0]  # the same window gives the same factor
+
+
+def test_speed_factor_stretches_every_execution():
+    profile = constant_profile(50.0, 1)
+    arrivals = np.array([0.0, 1.0, 2.0])
+    slow = SpeedTrace(0.3, 1.0, (2.0,))
+    result = simulate(arrivals, BatcherConfig(max_batch_size=1), profile, warmup_fraction=0.0, exec_noise=False,
+                      speed=slow)
+    assert np.round(result.latencies_s * 1e3).tolist() == [100, 100, 100]
+
+
+def test_slow_stretches_build_queues_that_their_mean_does_not():
+    """At 65% of the profiled capacity, executions slowed 1.4x on average: as a constant factor the
+    queue stays stable (91% load); as 5 s stretches at 1.0x and 1.8x (117% load half the time) it
+    builds a backlog in every slow stretch, and the p99 says so."""
+    profile = Profile("m", {1: {1: BatchTiming(20.0, 1.0)}})
+    arrivals = Poisson(0.65 * 50).arrivals(20000, rng=np.random.default_rng(5))
+    config = BatcherConfig(max_batch_size=1, dynamic_batching=False)
+    steady = simulate(arrivals, config, profile, speed=SpeedTrace(0.65, 1.0, (1.4,)))
+    stretches = simulate(arrivals, config, profile, speed=SpeedTrace(0.65, 1.0, (1.0,) * 5 + (1.8,) * 5))
+    assert stretches.percentile_ms(99) > 3 * steady.percentile_ms(99)
+
+
+def test_profile_keeps_its_speed_traces_and_picks_the_nearest_load(tmp_path):
+    traces = (SpeedTrace(0.25, 1.0, (1.3, 1.2)), SpeedTrace(0.75, 1.0, (1.1,)), SpeedTrace(1.0, 1.0, (1.0, 1.01)))
+    profile = Profile("m", {1: {1: BatchTiming(20.0)}}, speed={1: traces})
+    loaded = Profile.load(profile.save(tmp_path / "p.json"))
+    assert loaded.speed == profile.speed
+    assert loaded.speed_trace(1, 0.3).utilization == 0.25
+    assert loaded.speed_trace(1, 0.95).utilization == 1.0
+    assert loaded.speed_trace(2, 0.3) is None
+    # the load is offered requests/s over the config's capacity: 50/s here
+    assert speed_for(loaded, BatcherConfig(max_batch_size=1), 1, 35.0).utilization == 0.75
 
 
 # -- the worked example -----------------------------------------------------------------------------------
