@@ -236,6 +236,26 @@ def _run_once_more_if_hung(cmd: list[str], log_path: Path, env: dict, timeout_s:
     raise AssertionError("unreachable")
 
 
+#: perf_analyzer 2.51 now and then exits 0 leaving --profile-export-file empty (seen with `-b 1`, 15
+#: requests at concurrency 2); such a run is repeated, up to this many runs in all.
+EMPTY_EXPORT_ATTEMPTS = 3
+
+
+def run_perf_analyzer(cmd: list[str], out_dir: Path, timeout_s: float, hang_s: float | None = None,
+                      env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run one perf_analyzer command line that writes into out_dir (log: out_dir/perf_analyzer.log,
+    export: out_dir/profile.json): once more when a fixed-count run hangs past hang_s (HANG_S), and
+    again, up to EMPTY_EXPORT_ATTEMPTS runs, when it exits 0 with an empty profile export."""
+    env = env or dict(os.environ, LD_LIBRARY_PATH=library_path())
+    for attempt in range(1, EMPTY_EXPORT_ATTEMPTS + 1):
+        (out_dir / "profile.json").unlink(missing_ok=True)  # perf_analyzer refuses an existing path
+        result = _run_once_more_if_hung(cmd, out_dir / "perf_analyzer.log", env, timeout_s, hang_s)
+        if result.returncode != 0 or load_profile_export(out_dir / "profile.json")["experiments"]:
+            break
+        print(f"perf_analyzer: empty profile export (run {attempt}); running it again", file=sys.stderr)
+    return result
+
+
 #: --output-shared-memory-size for one row of resnet18_onnx's output: FP32 logits [1000], bytes.
 RESNET18_LOGITS_BYTES = 1000 * 4
 
@@ -257,9 +277,8 @@ def run_level(model: str, url: str, protocol: str, load: LoadSpec, level: float,
     log_path = out_dir / "perf_analyzer.log"
     for count in ((load.request_count,) if load.request_count else (0, load.fallback_request_count)):
         cmd = command(model, url, protocol, load, level, out_dir, metrics_url, count)
-        (out_dir / "profile.json").unlink(missing_ok=True)  # perf_analyzer refuses an existing path
         (out_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-        result = _run_once_more_if_hung(cmd, log_path, env, timeout_s, hang_s=HANG_S if count else None)
+        result = run_perf_analyzer(cmd, out_dir, timeout_s, hang_s=HANG_S if count else None, env=env)
         if result.returncode == 0 or "stable measurement" not in log_path.read_text() or not (
                 load.fallback_request_count):
             break

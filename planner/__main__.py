@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--executions", type=int, default=12, help="back-to-back executions per size")
         p.add_argument("--out", type=Path, default=DEFAULT_OUT / command)
         p.add_argument("--no-speed", action="store_true",
-                       help="skip the speed-under-load runs (planner/speed.py; ~80 s per instance count)")
+                       help="skip the speed-under-load runs (planner/speed.py; about 2 minutes per instance count)")
         if command == "profile":
             p.add_argument("--source-repository", default=str(MODEL_REPOSITORY),
                            help="model repository holding --model (e.g. bench/model_repository for identity)")

@@ -18,10 +18,10 @@ How, and why this way rather than from the per-batch-size statistics of a loaded
     up to 3 times, when they took more than 15% of them meanwhile (the shares are kept in the profile);
   * the fixed per-request overhead is the median latency of lone batch-1 requests (concurrency 1)
     minus the batch-1 execution time: client, protocol and server front end;
-  * the speed under load (planner/speed.py): batch-1 requests for SPEED_SECONDS closed loop (every
-    instance busy), then open loop (Poisson) at each of SPEED_UTILIZATIONS of the batch-1 capacity,
-    the statistics extension polled every SPEED_WINDOW_S; each window's mean compute_infer per
-    execution over the closed-loop run's mean is one factor.
+  * the speed under load (planner/speed.py): batch-1 requests open loop (Poisson) for SPEED_SECONDS
+    at each of SPEED_UTILIZATIONS of the batch-1 capacity, between closed-loop runs (every instance
+    busy) of SPEED_CLOSED_SECONDS, the statistics extension polled every SPEED_WINDOW_S; each window's
+    mean compute_infer per execution over the closed-loop runs' mean is one factor (`measure_speed`).
 The server ceiling (requests/s through protocol and batcher whatever the model) is not measured here:
 it comes from the trivial-model run of `python -m bench` (results/bench-*/summary.json), see
 `server_ceiling_from_bench`.
@@ -31,7 +31,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import threading
 import time
 from dataclasses import asdict
@@ -40,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import machine_info
-from bench.perf_analyzer import LoadSpec, PerfAnalyzerError, command, load_profile_export, parse_csv, run_level
+from bench.perf_analyzer import (LoadSpec, PerfAnalyzerError, command, load_profile_export, parse_csv, run_level,
+                                 run_perf_analyzer)
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
 from planner.batcher import BatcherConfig
@@ -48,17 +48,15 @@ from planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_
 from planner.pbtxt import load_config, planned_config, write_config
 from planner.profile import BatchTiming, Profile
 from planner.speed import SpeedTrace, window_factors
-from server.embedded import EmbeddedTritonServer, config_on_free_ports, library_path
+from server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 #: Responses per instance left out of the profile at the start of each batch size's run.
 WARMUP_RESPONSES = 2
-#: perf_analyzer 2.51 now and then exits 0 with an empty profile export; the run is repeated up to this
-#: many times in all (its summary throughput for a short fixed count is far too low to stand in).
-EMPTY_EXPORT_ATTEMPTS = 3
 #: Speed under load: open-loop loads measured (fractions of capacity; 1.0, closed loop, always), the
 #: length of each run and of each window.
 SPEED_UTILIZATIONS = (0.25, 0.5, 0.75)
 SPEED_SECONDS = 20.0
+SPEED_CLOSED_SECONDS = 10.0
 SPEED_WINDOW_S = 1.0
 
 _DTYPE_BYTES = {"TYPE_FP32": 4, "TYPE_FP16": 2, "TYPE_FP64": 8, "TYPE_INT32": 4, "TYPE_INT64": 8,
@@ -114,21 +112,14 @@ def run_fixed_batch(url: str, model: str, batch: int, concurrency: int, requests
                     output_shm_bytes=row_bytes * batch, request_count=requests)
     cmd = command(model, url, "grpc", load, concurrency, out_dir, count=requests) + ["-b", str(batch)]
     (out_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-    for attempt in range(1, EMPTY_EXPORT_ATTEMPTS + 1):
-        (out_dir / "profile.json").unlink(missing_ok=True)
-        with open(out_dir / "perf_analyzer.log", "w") as log:
-            result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                    env=dict(os.environ, LD_LIBRARY_PATH=library_path()))
-        if result.returncode != 0:
-            tail = "\n".join((out_dir / "perf_analyzer.log").read_text().splitlines()[-8:])
-            raise PerfAnalyzerError(f"perf_analyzer -b {batch} exited {result.returncode}:\n{tail}")
-        data = load_profile_export(out_dir / "profile.json")
-        answered = [r for e in data["experiments"] for r in e["requests"] if r.get("response_timestamps")]
-        if answered:
-            break
-    else:
-        raise PerfAnalyzerError(f"perf_analyzer -b {batch} wrote an empty profile export "
-                                f"{EMPTY_EXPORT_ATTEMPTS} times ({out_dir / 'profile.json'})")
+    result = run_perf_analyzer(cmd, out_dir, timeout_s)
+    if result.returncode != 0:
+        tail = "\n".join((out_dir / "perf_analyzer.log").read_text().splitlines()[-8:])
+        raise PerfAnalyzerError(f"perf_analyzer -b {batch} exited {result.returncode}:\n{tail}")
+    answered = [r for e in load_profile_export(out_dir / "profile.json")["experiments"] for r in e["requests"]
+                if r.get("response_timestamps")]
+    if not answered:
+        raise PerfAnalyzerError(f"perf_analyzer -b {batch} left its profile export empty ({out_dir / 'profile.json'})")
     (row,) = parse_csv(out_dir / "perf.csv")
     record = asdict(row)
     sends = [r["timestamp"] / 1e9 for r in answered]
@@ -172,35 +163,50 @@ class ExecutionPoller:
 def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec1_ms: float, out_dir: Path,
                   row_bytes: int, session_id: int | None = None,
                   progress=print) -> tuple[tuple[SpeedTrace, ...], dict]:
-    """The speed traces of one instance count (module doc): closed loop, then each SPEED_UTILIZATIONS
-    fraction of the batch-1 capacity (instances / exec1_ms) open loop. Needs a server without dynamic
+    """The speed traces of one instance count (module doc). Closed-loop runs (SPEED_CLOSED_SECONDS)
+    alternate with open-loop runs at each SPEED_UTILIZATIONS fraction of the batch-1 capacity
+    (instances / exec1_ms): closed, 25%, closed, 50%, closed, 75%, closed. An open run's factors are
+    relative to the mean of the closed runs just before and after it, so the machine's drift over the
+    minutes of the measurement (this VM: +-20%) is not taken for an effect of the load; the closed
+    runs' windows, relative to all closed runs' mean, are the 100% trace. Needs a server without dynamic
     batching (every request one execution of batch 1); session_id: the server's, for the CPU accounting.
     Returns (traces ascending by utilization, details)."""
     capacity_rps = instances / (exec1_ms / 1e3)
-    traces, details = [], {}
-    baseline_ms = 0.0
-    for utilization in (1.0, *SPEED_UTILIZATIONS):
+    runs: list[tuple[float, list[tuple[int, int]]]] = []
+    details: dict = {"runs": []}
+    for utilization in (1.0, *[u for open_u in SPEED_UTILIZATIONS for u in (open_u, 1.0)]):
         wait_until_quiet(session_id=session_id)
         cpu = CpuAccount(session_id).start()
         with ExecutionPoller(http_url, model, SPEED_WINDOW_S) as poller:
             if utilization == 1.0:
-                run_fixed_batch(grpc_url, model, 1, 2 * instances, int(SPEED_SECONDS * capacity_rps),
+                run_fixed_batch(grpc_url, model, 1, 2 * instances, int(SPEED_CLOSED_SECONDS * capacity_rps),
                                 out_dir / "closed", row_bytes)
             else:
                 rate = round(utilization * capacity_rps, 2)
                 load = LoadSpec("request_rate", (rate,), shared_memory="system", output_shm_bytes=row_bytes,
                                 request_count=int(SPEED_SECONDS * rate), async_mode=True)
                 run_level(model, grpc_url, "grpc", load, rate, out_dir / f"open-{utilization:g}")
+        runs.append((utilization, poller.samples))
         (count_a, ns_a), (count_b, ns_b) = poller.samples[0], poller.samples[-1]
-        mean_ms = (ns_b - ns_a) / max(1, count_b - count_a) / 1e6
-        baseline_ms = baseline_ms or mean_ms
-        factors = window_factors(poller.samples, baseline_ms)
+        details["runs"].append({"utilization": utilization, "mean_compute_ms": (ns_b - ns_a) / max(1, count_b - count_a) / 1e6,
+                                "cpu": cpu.stop()})
+    means = [run["mean_compute_ms"] for run in details["runs"]]
+    closed_ms = float(np.mean([m for (u, _), m in zip(runs, means) if u == 1.0]))
+    closed = [f for (u, samples) in runs if u == 1.0 for f in window_factors(samples, closed_ms)]
+    traces = [SpeedTrace(1.0, SPEED_WINDOW_S, tuple(closed))] if closed else []
+    for k, (utilization, samples) in enumerate(runs):
+        if utilization == 1.0:
+            continue
+        baseline_ms = (means[k - 1] + means[k + 1]) / 2
+        factors = window_factors(samples, baseline_ms)
         if factors:
             traces.append(SpeedTrace(utilization, SPEED_WINDOW_S, tuple(factors)))
-        details[f"{utilization:g}"] = {"mean_compute_ms": mean_ms, "windows": len(factors), "cpu": cpu.stop()}
         progress(f"profile: {instances} instance(s), speed at {utilization:.0%} load: mean execution "
-                 f"{mean_ms:.1f} ms (x{mean_ms / baseline_ms:.2f}), windows x{min(factors, default=0):.2f}"
+                 f"{means[k]:.1f} ms = x{means[k] / baseline_ms:.2f} the closed-loop runs around it "
+                 f"({means[k - 1]:.1f}, {means[k + 1]:.1f} ms); windows x{min(factors, default=0):.2f}"
                  f"..x{max(factors, default=0):.2f}")
+    progress(f"profile: {instances} instance(s), closed loop: mean execution {closed_ms:.1f} ms, windows "
+             f"x{min(closed, default=0):.2f}..x{max(closed, default=0):.2f}")
     return tuple(sorted(traces, key=lambda t: t.utilization)), details
 
 

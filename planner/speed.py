@@ -9,9 +9,9 @@ physical core to other tenants; a two-thread execution waits at every operator f
 GPUs have their own version: clocks that drop when idle.)
 
 The fix is measured, never fitted to a level being predicted: `planner/measure.py` runs batch-1 requests
-open loop (Poisson) at a few fractions of capacity, and closed loop (100%), polling the server's
-statistics extension every `window_s`; each window's mean execution time (compute_infer per execution)
-divided by the closed-loop run's mean is one factor. A `SpeedTrace` is that series of factors for one
+open loop (Poisson) at a few fractions of capacity, between closed-loop runs (100%), polling the
+server's statistics extension every `window_s`; each window's mean execution time (compute_infer per
+execution) divided by the mean of the closed-loop runs just before and after is one factor. A `SpeedTrace` is that series of factors for one
 utilization. The simulator multiplies every execution's profiled time by the factor of the moment,
 taken from a block bootstrap of the series (blocks of `BLOCK_WINDOWS` consecutive windows, in random
 order), so both the mean slowdown and the slow stretches (their length, depth and frequency) carry over.
