@@ -205,7 +205,7 @@ def cmd_validate(args) -> int:
     rows = []
     for name in args.configs:
         rows += validate_config(args.model, name, profile, tuple(args.fractions), out, args.requests_per_level,
-                                args.min_level_s)
+                                args.min_level_s, rates=tuple(args.rates or ()))
         (out / "validation.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
     rows = add_predictions(rows, profile)
     (out / "validation.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
@@ -290,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.add_argument("--profile", type=Path, help="use this profile instead of measuring one")
             p.add_argument("--configs", nargs="+", default=["default", "throughput"])
-            p.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.7, 0.95])
+            p.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.7, 0.95],
+                           help="levels as fractions of each config's capacity (from the profile)")
+            p.add_argument("--rates", type=float, nargs="+", help="levels as request rates, req/s (instead of --fractions)")
             p.add_argument("--requests-per-level", type=int, default=400)
             p.add_argument("--min-level-s", type=float, default=10.0, help="at least this long per level")
             p.add_argument("--predict-only", action="store_true",

@@ -208,9 +208,10 @@ def predict(rate_rps: float, batcher, profile: Profile, instances: int, requests
 
 
 def validate_config(model: str, name: str, profile: Profile, fractions: tuple[float, ...], out_dir: Path,
-                    requests_per_level: int, min_level_s: float, progress=print) -> list[dict]:
-    """Run every fraction of one config's capacity; return one row per level with what was measured
-    (predictions: `add_predictions`)."""
+                    requests_per_level: int, min_level_s: float, progress=print,
+                    rates: tuple[float, ...] = ()) -> list[dict]:
+    """Run every fraction of one config's capacity (or, given `rates`, those request rates, req/s);
+    return one row per level with what was measured (predictions: `add_predictions`)."""
     config = load_config(config_path(model, name))
     batcher, instances = batcher_from_config(config), instance_count(config)
     capacity = device_capacity_rps(profile, batcher, instances)
@@ -224,8 +225,8 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
     progress(f"validate {name}: capacity {capacity:.1f} infer/s ({batcher.describe()}, {instances} instance(s))")
     with EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log") as server:
         http, grpc = server.config.http_url, server.config.grpc_url
-        for fraction in fractions:
-            rate = round(fraction * capacity, 2)
+        levels = [(rate / capacity, rate) for rate in rates] or [(f, round(f * capacity, 2)) for f in fractions]
+        for fraction, rate in levels:
             count = max(requests_per_level, int(rate * min_level_s))
             load = LoadSpec("request_rate", (rate,), shared_memory="system",
                             output_shm_bytes=RESNET18_LOGITS_BYTES,
@@ -292,12 +293,14 @@ def speed_factor(trace: dict, profile: Profile, instances: int) -> float | None:
 
 
 def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
-    """Predict every measured level (module doc): "predicted" (Poisson, steady state), "predicted_replay"
-    (perf_analyzer's own send times, from an empty server, as measured), both with the profile's speed
-    under load (planner/speed.py); the same two without it ("..._static", the closed-loop table as is),
-    and with the lost wake-up modelled ("..._lw") at the probability measured on the traces of the config's OTHER
-    levels (leave-one-out: a level's own trace never feeds its prediction; the probability depends on
-    the config, e.g. on its instance count, so other configs are used only when it has no other level)."""
+    """Predict every measured level (module doc) with the model: the documented batcher rules, the
+    profile's speed under load (planner/speed.py) and, for a config with a queue policy (no payload
+    prefetching), Triton 2.51's lost wake-up at the probability measured on the traces of the config's
+    OTHER levels (leave-one-out: a level's own trace never feeds its prediction; other configs' traces
+    only when it has no other level). "predicted": Poisson at the level's rate, steady state;
+    "predicted_replay": perf_analyzer's own send times, from an empty server, as measured. The same two
+    with the documented rules alone (closed-loop table, no speed under load, no lost wake-up):
+    "..._static"."""
     for i, row in enumerate(rows):
         if "error" in row:
             continue
@@ -312,9 +315,11 @@ def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
         if measured_rps:
             row["measured"].setdefault("throughput_perf_analyzer", row["measured"]["throughput"])
             row["measured"]["throughput"] = measured_rps
-        row["lost_wakeup_probability"] = probability
         row["speed_factor_measured"] = speed_factor(row.get("trace") or {}, profile, instances)
-        for suffix, lost_wakeup, speed in (("", None, True), ("_lw", LostWakeup(probability), True),
+        # Triton loses wake-ups only without payload prefetching, i.e. with a queue policy (docs/capacity.md)
+        stalls = batcher.dynamic_batching and batcher.queue.disables_prefetching
+        row["lost_wakeup_probability"] = probability if stalls else None
+        for suffix, lost_wakeup, speed in (("", LostWakeup(probability) if stalls else None, True),
                                            ("_static", None, False)):
             row["predicted" + suffix] = predict(row["rate_rps"], batcher, profile, instances,
                                                 lost_wakeup=lost_wakeup, speed_under_load=speed)
@@ -361,7 +366,7 @@ def _prediction_table(rows: list[dict], suffix: str) -> list[str]:
         lines.append(
             f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} "
             f"| {f'{trace:.0%}' if trace is not None else 'none'} "
-            f"| {row['lost_wakeup_probability'] if suffix == '_lw' else 0:.2f} "
+            f"| {_probability(row.get('lost_wakeup_probability') if suffix == '' else None)} "
             f"| {cell(m['throughput'], p['throughput_rps'])} | {cell(m['p50_us'] / 1e3, p['p50_ms'])} "
             f"| {cell(m['p99_us'] / 1e3, p['p99_ms'])} "
             f"| {r.get('throughput_rps', float('nan')):.1f} "
@@ -371,18 +376,21 @@ def _prediction_table(rows: list[dict], suffix: str) -> list[str]:
     return lines
 
 
+def _probability(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _factor(value: float | None) -> str:
     return f"x{value:.2f}" if value else "-"
 
 
 def format_table(rows: list[dict]) -> str:
-    """The validation tables (Markdown): predicted vs measured (the model; without the speed under load;
-    with the lost wake-up), and what the trace shows."""
-    lines = _prediction_table(rows, "")
-    lines += ["", "Without the speed under load (the closed-loop profile table as is):", "",
-              *_prediction_table(rows, "_static")]
-    lines += ["", "With Triton 2.51's lost wake-up modelled too (probability measured on the config's other levels):",
-              "", *_prediction_table(rows, "_lw")]
+    """The validation tables (Markdown): predicted vs measured (the model; the documented rules alone),
+    and what the trace shows."""
+    lines = ["The model (speed under load; lost wake-up where the config has a queue policy, P measured on "
+             "the config's other levels):", "", *_prediction_table(rows, "")]
+    lines += ["", "The documented batcher rules alone (closed-loop profile table, no speed under load, no lost "
+              "wake-up):", "", *_prediction_table(rows, "_static")]
     lines += ["", "What Triton's trace shows (every request of the level):", "",
               "| config | load | batch meas / pred | queue p50 / p99 ms (trace) | queued > 400 ms "
               "(with the instance idle) | missed wake-ups / busy completions (rescued by an arrival) "
