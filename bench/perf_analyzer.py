@@ -131,7 +131,8 @@ def _gpu_utilization(row: dict) -> float | None:
 def load_profile_export(profile_path: Path) -> dict:
     """perf_analyzer's --profile-export-file as a dict ({"experiments": [...]}); {"experiments": []} when
     the file is missing or empty. perf_analyzer 2.51 sometimes exits 0 with the file cut off at exactly
-    64 KiB (seen with `-b 1` runs of a few thousand requests): then the requests recorded completely
+    64 KiB or 128 KiB (seen with `-b 1` runs of a few thousand requests, and request-rate runs of 1,000
+    and 1,500 requests; the requests kept are then not the first N): the requests recorded completely
     before the cut are kept (one experiment; its "experiment" entry, written first, is kept when whole),
     and the result carries "truncated": True."""
     text = Path(profile_path).read_text() if Path(profile_path).exists() else ""
@@ -166,7 +167,8 @@ def load_profile_export(profile_path: Path) -> dict:
 def latency_stats_us(profile_path: Path) -> dict[float, dict[str, float]]:
     """Per load level: mean, std, min, max latency (us) and request count, from --profile-export-file
     (latency = first response timestamp - send timestamp, for every request perf_analyzer recorded).
-    Empty when perf_analyzer left the file empty (2.51 does with --request-rate-range + --request-count)."""
+    Empty when perf_analyzer left the file empty (2.51 always does for --request-count without shared
+    memory, see EMPTY_EXPORT_ATTEMPTS)."""
     stats = {}
     for experiment in load_profile_export(profile_path)["experiments"]:
         if "experiment" not in experiment:
@@ -236,23 +238,26 @@ def _run_once_more_if_hung(cmd: list[str], log_path: Path, env: dict, timeout_s:
     raise AssertionError("unreachable")
 
 
-#: perf_analyzer 2.51 now and then exits 0 leaving --profile-export-file empty (seen with `-b 1`, 15
-#: requests at concurrency 2); such a run is repeated, up to this many runs in all.
+#: perf_analyzer 2.51 leaves --profile-export-file empty (exit 0) always for a --request-count run
+#: without shared memory (checked: 60 and 200 requests at concurrency 2, sync and --async), and now and
+#: then otherwise (a `-b 1` run of 15 requests with system shared memory; 2 of 38 stabilized levels of a
+#: bench sweep). Callers that need the per-request data ask for this many runs in all.
 EMPTY_EXPORT_ATTEMPTS = 3
 
 
 def run_perf_analyzer(cmd: list[str], out_dir: Path, timeout_s: float, hang_s: float | None = None,
-                      env: dict | None = None) -> subprocess.CompletedProcess:
+                      env: dict | None = None, export_attempts: int = 1) -> subprocess.CompletedProcess:
     """Run one perf_analyzer command line that writes into out_dir (log: out_dir/perf_analyzer.log,
     export: out_dir/profile.json): once more when a fixed-count run hangs past hang_s (HANG_S), and
-    again, up to EMPTY_EXPORT_ATTEMPTS runs, when it exits 0 with an empty profile export."""
+    again, up to export_attempts runs in all, when it exits 0 with an empty profile export."""
     env = env or dict(os.environ, LD_LIBRARY_PATH=library_path())
-    for attempt in range(1, EMPTY_EXPORT_ATTEMPTS + 1):
+    for attempt in range(1, export_attempts + 1):
         (out_dir / "profile.json").unlink(missing_ok=True)  # perf_analyzer refuses an existing path
         result = _run_once_more_if_hung(cmd, out_dir / "perf_analyzer.log", env, timeout_s, hang_s)
         if result.returncode != 0 or load_profile_export(out_dir / "profile.json")["experiments"]:
             break
-        print(f"perf_analyzer: empty profile export (run {attempt}); running it again", file=sys.stderr)
+        if attempt < export_attempts:
+            print(f"perf_analyzer: empty profile export (run {attempt}); running it again", file=sys.stderr)
     return result
 
 
@@ -265,9 +270,11 @@ class PerfAnalyzerError(RuntimeError):
 
 
 def run_level(model: str, url: str, protocol: str, load: LoadSpec, level: float, out_dir: Path,
-              metrics_url: str | None = None, timeout_s: float = 900.0) -> PerfRow:
+              metrics_url: str | None = None, timeout_s: float = 900.0, export_attempts: int = 1) -> PerfRow:
     """One perf_analyzer process measuring `model` at `url` ("host:port") over `protocol` ("grpc" or
     "http") at one load level (a concurrency or a request rate). Writes its files into `out_dir`.
+    export_attempts: runs in all while the profile export comes back empty (EMPTY_EXPORT_ATTEMPTS for
+    callers that need the per-request data; the bench only takes latency mean/std from it).
 
     Returns the level's PerfRow with profile.json's latency statistics merged in. Raises
     PerfAnalyzerError when perf_analyzer fails (after the fallback to a request count, see above).
@@ -278,7 +285,8 @@ def run_level(model: str, url: str, protocol: str, load: LoadSpec, level: float,
     for count in ((load.request_count,) if load.request_count else (0, load.fallback_request_count)):
         cmd = command(model, url, protocol, load, level, out_dir, metrics_url, count)
         (out_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-        result = run_perf_analyzer(cmd, out_dir, timeout_s, hang_s=HANG_S if count else None, env=env)
+        result = run_perf_analyzer(cmd, out_dir, timeout_s, hang_s=HANG_S if count else None, env=env,
+                                   export_attempts=export_attempts)
         if result.returncode == 0 or "stable measurement" not in log_path.read_text() or not (
                 load.fallback_request_count):
             break

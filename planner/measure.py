@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import machine_info
-from bench.perf_analyzer import (LoadSpec, PerfAnalyzerError, command, load_profile_export, parse_csv, run_level,
+from bench.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, LoadSpec, PerfAnalyzerError, command, load_profile_export, parse_csv, run_level,
                                  run_perf_analyzer)
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
@@ -112,7 +112,7 @@ def run_fixed_batch(url: str, model: str, batch: int, concurrency: int, requests
                     output_shm_bytes=row_bytes * batch, request_count=requests)
     cmd = command(model, url, "grpc", load, concurrency, out_dir, count=requests) + ["-b", str(batch)]
     (out_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-    result = run_perf_analyzer(cmd, out_dir, timeout_s)
+    result = run_perf_analyzer(cmd, out_dir, timeout_s, export_attempts=EMPTY_EXPORT_ATTEMPTS)
     if result.returncode != 0:
         tail = "\n".join((out_dir / "perf_analyzer.log").read_text().splitlines()[-8:])
         raise PerfAnalyzerError(f"perf_analyzer -b {batch} exited {result.returncode}:\n{tail}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError, load_profile_export, run_level
+from bench.perf_analyzer import EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError, load_profile_export, run_level
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY
 from planner.arrivals import Poisson
@@ -238,7 +238,8 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
                 began, cpu = time.monotonic(), CpuAccount(server.process.pid).start()
                 error = None
                 try:
-                    row = run_level(model, grpc, "grpc", load, rate, level_dir)
+                    row = run_level(model, grpc, "grpc", load, rate, level_dir,
+                                    export_attempts=EMPTY_EXPORT_ATTEMPTS)
                 except PerfAnalyzerError as exc:  # e.g. requests refused: queue full
                     error = str(exc)
                 wall_s, cpu_share = time.monotonic() - began, cpu.stop()
@@ -270,7 +271,8 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
     traced = split_levels(read_traces(trace_file, model), [count for count, _ in segments])
     for (_, kept), level in zip(segments, traced):
         if kept is not None:
-            rows[kept]["trace"] = trace_summary(level, batcher)
+            # the last run's requests (bench.perf_analyzer.run_perf_analyzer may have run the level again)
+            rows[kept]["trace"] = trace_summary(level[-rows[kept]["requests"]:], batcher)
     return rows + failed
 
 
@@ -311,10 +313,14 @@ def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
         busy = sum(o["busy_completions"] for o in others)
         probability = sum(o["missed"] for o in others) / busy if busy else 0.0
         export = load_profile_export(Path(row["level_dir"]) / "profile.json")
+        row["measured"].setdefault("throughput_perf_analyzer", row["measured"]["throughput"])
+        row["export_truncated"] = bool(export.get("truncated"))
+        if row["export_truncated"]:
+            # perf_analyzer cut the export: the requests kept are not the first N, so neither their span
+            # nor their send times stand for the level; its summary throughput stands in, no replay
+            export = {"experiments": []}
         sends, measured_rps = send_times_s(export), timestamps_throughput(export)
-        if measured_rps:
-            row["measured"].setdefault("throughput_perf_analyzer", row["measured"]["throughput"])
-            row["measured"]["throughput"] = measured_rps
+        row["measured"]["throughput"] = measured_rps or row["measured"]["throughput_perf_analyzer"]
         row["speed_factor_measured"] = speed_factor(row.get("trace") or {}, profile, instances)
         # Triton loses wake-ups only without payload prefetching, i.e. with a queue policy (docs/capacity.md)
         stalls = batcher.dynamic_batching and batcher.queue.disables_prefetching

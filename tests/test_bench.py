@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from bench.__main__ import levels_for, served_config
-from bench.perf_analyzer import LoadSpec, command, load_profile_export, parse_csv, perf_analyzer_binary, run_level
+from bench.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, command, load_profile_export,
+                                 parse_csv, perf_analyzer_binary, run_level)
 from bench.server_stats import model_statistics, statistics_delta
 from client.classifier import TritonClassifierClient
 from export.artifacts import ONNX_MODEL
@@ -75,8 +76,11 @@ def test_short_real_perf_analyzer_run_is_consistent(triton_server, tmp_path):
     throughput divides by a span that includes start-up, and reads 3-30% low.)"""
     config = triton_server.config
     before = model_statistics(config.http_url, ONNX_MODEL)
-    load = LoadSpec("concurrency", (2,), request_count=60)
-    row = run_level(ONNX_MODEL, config.grpc_url, "grpc", load, 2, tmp_path, metrics_url=config.metrics_url)
+    # system shared memory: without it perf_analyzer 2.51 writes no export for a --request-count run
+    load = LoadSpec("concurrency", (2,), request_count=60, shared_memory="system",
+                    output_shm_bytes=RESNET18_LOGITS_BYTES)
+    row = run_level(ONNX_MODEL, config.grpc_url, "grpc", load, 2, tmp_path, metrics_url=config.metrics_url,
+                    export_attempts=EMPTY_EXPORT_ATTEMPTS)
     delta = statistics_delta(before, model_statistics(config.http_url, ONNX_MODEL))
     assert row.throughput > 0 and 0 < row.p50_us <= row.p90_us <= row.p99_us
     answered = [r for e in load_profile_export(tmp_path / "profile.json")["experiments"] for r in e["requests"]
