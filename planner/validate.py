@@ -375,11 +375,17 @@ def _prediction_table(rows: list[dict], suffix: str) -> list[str]:
             f"| {_probability(row.get('lost_wakeup_probability') if suffix == '' else None)} "
             f"| {cell(m['throughput'], p['throughput_rps'])} | {cell(m['p50_us'] / 1e3, p['p50_ms'])} "
             f"| {cell(m['p99_us'] / 1e3, p['p99_ms'])} "
-            f"| {r.get('throughput_rps', float('nan')):.1f} "
-            f"({errors(row, replay).get('throughput', float('nan')):+.0%}), "
-            f"{r.get('p99_ms', float('nan')):.1f} ({errors(row, replay).get('p99', float('nan')):+.0%}) "
+            f"| {_replayed(row, replay)} "
             f"| {'yes' if within_target(row, steady) else 'NO'} / {'yes' if within_target(row, replay) else 'NO'} |")
     return lines
+
+
+def _replayed(row: dict, key: str) -> str:
+    """The replayed-sends cell: predicted throughput and p99 with their errors, or why there is none."""
+    r, e = row.get(key) or {}, errors(row, key)
+    if not e:
+        return "export cut short: no replay" if row.get("export_truncated") else "-"
+    return f"{r['throughput_rps']:.1f} ({e['throughput']:+.0%}), {r['p99_ms']:.1f} ({e['p99']:+.0%})"
 
 
 def _probability(value: float | None) -> str:
