@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "machine.json").write_text(json.dumps(machine, indent=2) + "\n")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report = write_report(run_dir)
-    print(f"\nbench: {report.relative_to(REPO_ROOT)} ({time.time() - started:.0f} s)")
+    shown = report.relative_to(REPO_ROOT) if report.is_relative_to(REPO_ROOT) else report  # --out may be elsewhere
+    print(f"\nbench: {shown} ({time.time() - started:.0f} s)")
     for target in summary["targets"]:
         print(f"  {'met   ' if target['met'] else 'MISSED'} {target['name']}: {target['measured']} "
               f"(wanted {target['wanted']})")

@@ -34,6 +34,7 @@ from tritonclient.utils import InferenceServerException
 from client.classifier import protocol_module
 from client.errors import QUEUE_FULL_MESSAGE, QUEUE_TIMEOUT_MESSAGE
 from client.metrics import model_counters
+from bench.server_stats import PeriodicSampler
 from export.artifacts import ENSEMBLE_MODEL, MODEL_REPOSITORY, ONNX_MODEL, REPO_ROOT
 from server.embedded import EmbeddedTritonServer, ServerConfig, config_on_free_ports
 
@@ -501,34 +502,24 @@ def readiness_under_overload(config: ServerConfig, requests: int = 30) -> dict:
 
 # -- memory -------------------------------------------------------------------------------------------
 
-class MemorySampler:
-    """Samples the resident memory of tritonserver and its stubs (sum) every `interval_s` on a thread;
-    start, end and peak in bytes."""
+class MemorySampler(PeriodicSampler):
+    """Samples the resident memory of tritonserver and its stubs (sum) every `interval_s` on a thread,
+    at entry and exit too: (seconds since entry, bytes); start, end and peak in bytes."""
 
     def __init__(self, server: EmbeddedTritonServer, interval_s: float = 0.2):
-        self.server, self.interval_s = server, interval_s
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(interval_s, at_edges=True)
+        self.server = server
+        self._origin = time.monotonic()
+
+    def __enter__(self) -> "MemorySampler":
+        self._origin = time.monotonic()
+        return super().__enter__()
 
     def total_bytes(self) -> int:
         return sum(self.server.resident_memory_bytes().values())
 
-    def _run(self):
-        origin = time.monotonic()
-        while True:
-            self.samples.append((time.monotonic() - origin, self.total_bytes()))
-            if self._stop.wait(self.interval_s):
-                self.samples.append((time.monotonic() - origin, self.total_bytes()))
-                return
-
-    def __enter__(self) -> "MemorySampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def sample(self) -> tuple[float, int]:
+        return time.monotonic() - self._origin, self.total_bytes()
 
     @property
     def start(self) -> int:

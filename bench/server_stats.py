@@ -4,6 +4,7 @@
   stage (queue, compute input, compute infer, compute output) and execution counts per batch size.
   The difference of two snapshots covers exactly the requests in between.
 * Metrics endpoint: `nv_cpu_utilization`, sampled by `CpuSampler` while a load level runs.
+* `PeriodicSampler`: the thread that samples; `ExecutionSampler` polls the statistics extension.
 """
 from __future__ import annotations
 
@@ -54,24 +55,55 @@ def statistics_delta(before: dict, after: dict) -> dict:
     return result
 
 
-class CpuSampler:
-    """Samples the server's `nv_cpu_utilization` (0..1 of all cores) every `interval_s` on a thread,
-    between `with` entry and exit; `mean` and `peak` hold the result (None without samples)."""
+class PeriodicSampler:
+    """Takes `sample()` every `interval_s` seconds on a thread between `with` entry and exit (with
+    `at_edges`, also at entry and once more after the thread stopped); results that are not None go to
+    `samples`, in order. Subclasses define `sample()`."""
+
+    def __init__(self, interval_s: float, at_edges: bool = False):
+        self.interval_s, self.at_edges = interval_s, at_edges
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self):
+        raise NotImplementedError
+
+    def _take(self) -> None:
+        value = self.sample()
+        if value is not None:
+            self.samples.append(value)
+
+    def _run(self) -> None:
+        if self.at_edges:
+            self._take()
+        while not self._stop.wait(self.interval_s):
+            self._take()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.at_edges:
+            self._take()
+
+
+class CpuSampler(PeriodicSampler):
+    """The server's `nv_cpu_utilization` (0..1 of all cores) every `interval_s` while a level runs;
+    `mean` and `peak` hold the result (None without samples)."""
 
     def __init__(self, metrics_url: str, interval_s: float = 1.0):
-        self.metrics_url, self.interval_s = metrics_url, interval_s
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+        super().__init__(interval_s)
+        self.metrics_url = metrics_url
 
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                value = server_gauge(self.metrics_url, "nv_cpu_utilization")
-            except OSError:
-                continue
-            if value is not None:
-                self.samples.append(value)
+    def sample(self) -> float | None:
+        try:
+            return server_gauge(self.metrics_url, "nv_cpu_utilization")
+        except OSError:
+            return None
 
     @property
     def mean(self) -> float | None:
@@ -81,10 +113,15 @@ class CpuSampler:
     def peak(self) -> float | None:
         return max(self.samples) if self.samples else None
 
-    def __enter__(self) -> "CpuSampler":
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+class ExecutionSampler(PeriodicSampler):
+    """A model's cumulative (execution_count, compute_infer ns) from the statistics extension every
+    `interval_s` seconds, at entry and at exit too (planner/measure.py's speed under load)."""
+
+    def __init__(self, http_url: str, model: str, interval_s: float):
+        super().__init__(interval_s, at_edges=True)
+        self.http_url, self.model = http_url, model
+
+    def sample(self) -> tuple[int, int]:
+        stats = model_statistics(self.http_url, self.model)
+        return int(stats["execution_count"]), int(stats["inference_stats"]["compute_infer"]["ns"])

@@ -31,7 +31,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -41,7 +40,7 @@ import numpy as np
 from bench.machine import machine_info
 from bench.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, LoadSpec, PerfAnalyzerError, command, load_profile_export, parse_csv, run_level,
                                  run_perf_analyzer)
-from bench.server_stats import model_statistics, statistics_delta
+from bench.server_stats import ExecutionSampler, model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
 from planner.batcher import BatcherConfig
 from planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
@@ -129,37 +128,6 @@ def run_fixed_batch(url: str, model: str, batch: int, concurrency: int, requests
     return record
 
 
-class ExecutionPoller:
-    """Snapshots of a model's cumulative (execution_count, compute_infer ns) from the statistics
-    extension every `window_s` seconds, in a thread, between __enter__ and __exit__ (both ends included)."""
-
-    def __init__(self, http_url: str, model: str, window_s: float):
-        self.http_url, self.model, self.window_s = http_url, model, window_s
-        self.samples: list[tuple[int, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        stats = model_statistics(self.http_url, self.model)
-        self.samples.append((int(stats["execution_count"]), int(stats["inference_stats"]["compute_infer"]["ns"])))
-
-    def _run(self) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            self._sample()
-            next_at += self.window_s
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
-
-    def __enter__(self) -> "ExecutionPoller":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-
 def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec1_ms: float, out_dir: Path,
                   row_bytes: int, session_id: int | None = None,
                   progress=print) -> tuple[tuple[SpeedTrace, ...], dict]:
@@ -177,7 +145,7 @@ def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec
     for utilization in (1.0, *[u for open_u in SPEED_UTILIZATIONS for u in (open_u, 1.0)]):
         wait_until_quiet(session_id=session_id)
         cpu = CpuAccount(session_id).start()
-        with ExecutionPoller(http_url, model, SPEED_WINDOW_S) as poller:
+        with ExecutionSampler(http_url, model, SPEED_WINDOW_S) as poller:
             if utilization == 1.0:
                 run_fixed_batch(grpc_url, model, 1, 2 * instances, int(SPEED_CLOSED_SECONDS * capacity_rps),
                                 out_dir / "closed", row_bytes)

@@ -133,3 +133,23 @@ def test_a_profile_export_cut_off_keeps_the_complete_requests(tmp_path):
                                             "requests": 30}}
     path.write_text(whole)
     assert "truncated" not in load_profile_export(path) and latency_stats_us(path)[4.0]["requests"] == 50
+
+
+def test_periodic_sampler_samples_at_the_interval_and_at_the_edges_and_drops_none():
+    from bench.server_stats import PeriodicSampler
+
+    class Counter(PeriodicSampler):
+        calls = 0
+
+        def sample(self):
+            self.calls += 1
+            return None if self.calls == 2 else self.calls
+
+    with Counter(0.05, at_edges=True) as edges:
+        import time
+        time.sleep(0.28)
+    assert edges.samples[0] == 1 and 2 not in edges.samples and edges.samples[-1] == edges.calls
+    assert 5 <= edges.calls <= 9  # entry, ~5 intervals, exit
+    with Counter(10.0) as inner:
+        pass
+    assert inner.calls == 0 and inner.samples == []  # no interval elapsed, no edges asked for
