@@ -38,15 +38,15 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import machine_info
-from bench.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, LoadSpec, PerfAnalyzerError, command, load_profile_export, parse_csv, run_level,
-                                 run_perf_analyzer)
+from bench.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, LoadSpec, PerfAnalyzerError, command, load_profile_export,
+                                 parse_csv, run_level, run_perf_analyzer)
 from bench.server_stats import ExecutionSampler, model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
 from planner.batcher import BatcherConfig
 from planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
 from planner.pbtxt import load_config, planned_config, write_config
 from planner.profile import BatchTiming, Profile
-from planner.speed import SpeedTrace, window_factors
+from planner.speed import SpeedTrace, mean_execution_ms, window_factors
 from server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 #: Responses per instance left out of the profile at the start of each batch size's run.
@@ -140,7 +140,7 @@ def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec
     batching (every request one execution of batch 1); session_id: the server's, for the CPU accounting.
     Returns (traces ascending by utilization, details)."""
     capacity_rps = instances / (exec1_ms / 1e3)
-    runs: list[tuple[float, list[tuple[int, int]]]] = []
+    runs: list[tuple[float, list[tuple[int, int]], float]] = []  # (utilization, snapshots, mean ms)
     details: dict = {"runs": []}
     for utilization in (1.0, *[u for open_u in SPEED_UTILIZATIONS for u in (open_u, 1.0)]):
         wait_until_quiet(session_id=session_id)
@@ -154,15 +154,14 @@ def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec
                 load = LoadSpec("request_rate", (rate,), shared_memory="system", output_shm_bytes=row_bytes,
                                 request_count=int(SPEED_SECONDS * rate), async_mode=True)
                 run_level(model, grpc_url, "grpc", load, rate, out_dir / f"open-{utilization:g}")
-        runs.append((utilization, poller.samples))
-        (count_a, ns_a), (count_b, ns_b) = poller.samples[0], poller.samples[-1]
-        details["runs"].append({"utilization": utilization, "mean_compute_ms": (ns_b - ns_a) / max(1, count_b - count_a) / 1e6,
-                                "cpu": cpu.stop()})
-    means = [run["mean_compute_ms"] for run in details["runs"]]
-    closed_ms = float(np.mean([m for (u, _), m in zip(runs, means) if u == 1.0]))
-    closed = [f for (u, samples) in runs if u == 1.0 for f in window_factors(samples, closed_ms)]
+        mean_ms = mean_execution_ms(poller.samples[0], poller.samples[-1])
+        runs.append((utilization, poller.samples, mean_ms))
+        details["runs"].append({"utilization": utilization, "mean_compute_ms": mean_ms, "cpu": cpu.stop()})
+    means = [mean_ms for _, _, mean_ms in runs]
+    closed_ms = float(np.mean([mean_ms for u, _, mean_ms in runs if u == 1.0]))
+    closed = [f for u, samples, _ in runs if u == 1.0 for f in window_factors(samples, closed_ms)]
     traces = [SpeedTrace(1.0, SPEED_WINDOW_S, tuple(closed))] if closed else []
-    for k, (utilization, samples) in enumerate(runs):
+    for k, (utilization, samples, _) in enumerate(runs):
         if utilization == 1.0:
             continue
         baseline_ms = (means[k - 1] + means[k + 1]) / 2

@@ -11,8 +11,8 @@ GPUs have their own version: clocks that drop when idle.)
 The fix is measured, never fitted to a level being predicted: `planner/measure.py` runs batch-1 requests
 open loop (Poisson) at a few fractions of capacity, between closed-loop runs (100%), polling the
 server's statistics extension every `window_s`; each window's mean execution time (compute_infer per
-execution) divided by the mean of the closed-loop runs just before and after is one factor. A `SpeedTrace` is that series of factors for one
-utilization. The simulator multiplies every execution's profiled time by the factor of the moment,
+execution) divided by the mean of the closed-loop runs just before and after is one factor. A
+`SpeedTrace` is that series of factors for one utilization. The simulator multiplies every execution's profiled time by the factor of the moment,
 taken from a block bootstrap of the series (blocks of `BLOCK_WINDOWS` consecutive windows, in random
 order), so both the mean slowdown and the slow stretches (their length, depth and frequency) carry over.
 """
@@ -83,12 +83,15 @@ def window_factors(samples: list[tuple[int, int]], baseline_ms: float, min_execu
     baseline_ms: the closed-loop mean execution time the factors are relative to.
     Windows with fewer than `min_executions` executions are skipped (too few to average).
     """
-    factors = []
-    for (count_a, ns_a), (count_b, ns_b) in zip(samples, samples[1:]):
-        executions = count_b - count_a
-        if executions >= min_executions:
-            factors.append((ns_b - ns_a) / executions / 1e6 / baseline_ms)
-    return factors
+    return [mean_execution_ms(a, b) / baseline_ms for a, b in zip(samples, samples[1:])
+            if b[0] - a[0] >= min_executions]
+
+
+def mean_execution_ms(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Mean compute_infer per execution (ms) between two cumulative (executions, compute_infer ns)
+    snapshots; 0.0 when nothing executed in between."""
+    executions = after[0] - before[0]
+    return (after[1] - before[1]) / executions / 1e6 if executions else 0.0
 
 
 def nearest(traces: tuple[SpeedTrace, ...], utilization: float) -> SpeedTrace | None:

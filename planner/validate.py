@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from bench.perf_analyzer import EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError, load_profile_export, run_level
+from bench.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError,
+                                 load_profile_export, run_level)
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY
 from planner.arrivals import Poisson
@@ -143,14 +145,13 @@ def trace_summary(requests: list[dict], batcher: BatcherConfig, stall_threshold_
         busy = np.clip(np.minimum(ends, b) - np.maximum(starts, a), 0, None).sum()
         idle_s.append(max(0.0, (b - a) - busy))
     idle_s = np.array(idle_s)
-    batch_sizes = np.unique([r["COMPUTE_START"] for r in requests], return_counts=True)[1]
+    size_of = Counter(r["COMPUTE_START"] for r in requests)  # an execution's requests share its start
     by_batch: dict[int, list[float]] = {}
     for start, end in executions:
-        size = sum(1 for r in requests if r["COMPUTE_START"] == start)
-        by_batch.setdefault(size, []).append((end - start) / 1e6)
+        by_batch.setdefault(size_of[start], []).append((end - start) / 1e6)
     return {
         "requests": len(requests), "executions": len(executions),
-        "average_batch": float(batch_sizes.mean()),
+        "average_batch": len(requests) / len(size_of),
         "queue_p50_ms": float(np.percentile(queue_s, 50) * 1e3),
         "queue_p99_ms": float(np.percentile(queue_s, 99) * 1e3),
         "queue_max_ms": float(queue_s.max() * 1e3),
@@ -172,9 +173,10 @@ def send_times_s(export: dict) -> np.ndarray:
 
 def timestamps_throughput(export: dict) -> float | None:
     """Requests / (last response - first send), seconds from perf_analyzer's own per-request timestamps
-    (profile export, `load_profile_export`); None with fewer than 2 answered requests. perf_analyzer 2.51's summary throughput for a
-    --request-count run divides by a longer span (it came out 3-9% lower than this on every level of the
-    validation), so both sides of the comparison use this definition (see `predict`)."""
+    (profile export, `load_profile_export`); None with fewer than 2 answered requests. perf_analyzer
+    2.51's summary throughput for a --request-count run divides by a longer span (it came out 3-9% lower
+    than this on every level of the validation), so both sides of the comparison use this definition
+    (see `predict`)."""
     requests = [r for e in export["experiments"] for r in e["requests"] if r.get("response_timestamps")]
     if len(requests) < 2:
         return None
