@@ -1,7 +1,9 @@
 """python -m export: write ResNet-18 (ONNX + TorchScript) into the model repository, parity-checked.
 
-Writes model_repository/resnet18_onnx/1/model.onnx, resnet18_torchscript/1/model.pt, a provenance.json
-next to each, and the preprocess model's warmup image. Checks the committed labels file against
+Writes model_repository/resnet18_onnx/1/model.onnx, its INT8 quantization model.int8.onnx (calibrated on
+the sample photos or --calibration-dir; export/quantize.py), resnet18_torchscript/1/model.pt, a
+provenance.json next to each (weights, versions, parity, calibration set, INT8 agreement with FP32), and
+the preprocess model's warmup image. Checks the committed labels file against
 torchvision's ImageNet category names. Exit status 1 with a message when the parity check fails.
 """
 from __future__ import annotations
@@ -20,7 +22,10 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+from client.samples import HELD_OUT_PHOTO_NAMES, sample_photos
+
 from export import artifacts
+from export import quantize
 from export import resnet18 as r18
 
 
@@ -60,7 +65,7 @@ def write_warmup_image(path: Path) -> None:
     path.write_bytes(struct.pack("<I", buffer.tell()) + buffer.getvalue())
 
 
-def provenance(source: r18.WeightsSource, diffs: dict[str, float]) -> dict:
+def provenance(source: r18.WeightsSource, diffs: dict[str, float], int8: dict) -> dict:
     import onnx
     import onnxruntime
     import torch
@@ -76,8 +81,10 @@ def provenance(source: r18.WeightsSource, diffs: dict[str, float]) -> dict:
         "onnx_opset": r18.ONNX_OPSET,
         "parity": {"rtol": r18.PARITY_RTOL, "atol": r18.PARITY_ATOL,
                    "max_abs_diff_vs_eager": diffs, "batch_size": len(r18.parity_batch())},
+        "int8": int8,
         "sha256": {str(p.relative_to(artifacts.MODEL_REPOSITORY)): r18.sha256(p)
-                   for p in (artifacts.ONNX_PATH, artifacts.TORCHSCRIPT_PATH, artifacts.LABELS_PATH)},
+                   for p in (artifacts.ONNX_PATH, artifacts.ONNX_INT8_PATH, artifacts.TORCHSCRIPT_PATH,
+                             artifacts.LABELS_PATH)},
     }
 
 
@@ -90,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init fallback (default 0)")
     parser.add_argument("--if-missing", action="store_true",
                         help="do nothing when every artifact already exists")
+    parser.add_argument("--calibration-dir", type=Path,
+                        help="images to calibrate the INT8 model on, any Pillow format, searched recursively "
+                             "(default: the sample photos; a few hundred of your own traffic's images are better)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="export: %(message)s")
     # torch marks the TorchScript tracer and ONNX exporter used here as deprecated; they are pinned.
@@ -100,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.if_missing and not artifacts.missing_artifacts():
         print("export: artifacts present, nothing to do (run without --if-missing to re-export)")
         return 0
+    try:
+        calibration = (quantize.image_files(args.calibration_dir) if args.calibration_dir else sample_photos())
+    except FileNotFoundError as exc:
+        print(f"export: --calibration-dir: {exc}", file=sys.stderr)
+        return 2
+    calibration_source = str(args.calibration_dir.resolve()) if args.calibration_dir else "sample photos"
     model, source = r18.load_model(args.weights, args.seed, allow_download=not args.offline)
     print(f"export: weights {source.spec}")
     with atomic_path(artifacts.ONNX_PATH) as onnx_tmp, atomic_path(artifacts.TORCHSCRIPT_PATH) as ts_tmp:
@@ -113,7 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     print("export: parity vs eager torch, max |diff| of logits: "
           + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
           + f" (bound {r18.PARITY_ATOL} + {r18.PARITY_RTOL}*|eager|)")
-    record = json.dumps(provenance(source, diffs), indent=2) + "\n"
+    held_out = quantize.calibration_batch(sample_photos(HELD_OUT_PHOTO_NAMES))
+    try:
+        with atomic_path(artifacts.ONNX_INT8_PATH) as int8_tmp:
+            int8 = quantize.export_int8(artifacts.ONNX_PATH, int8_tmp, calibration, calibration_source, held_out)
+    except ValueError as exc:  # image_transform.ImageDecodeError: a calibration file that does not decode
+        print(f"export: --calibration-dir: {exc}", file=sys.stderr)
+        return 2
+    for name, figures in int8["agreement_vs_fp32"].items():
+        print(f"export: INT8 vs FP32 on {figures['inputs']} {name.replace('_', ' ')}: top-1 agreement "
+              f"{figures['top1_agreement']:.3f}, top-5 overlap {figures['top5_overlap']:.3f}, "
+              f"max |logit diff| {figures['max_abs_logit_diff']:.3f}")
+    record = json.dumps(provenance(source, diffs, int8), indent=2) + "\n"
     for path in artifacts.PROVENANCE_PATHS:
         path.write_text(record)
     write_warmup_image(artifacts.WARMUP_IMAGE_PATH)

@@ -1,4 +1,6 @@
-"""The preprocess transform equals torchvision's ImageNet eval transform, for every image mode."""
+"""The preprocess transform equals torchvision's ImageNet eval transform within a stated tolerance per path,
+for every image mode: full decode (fused resize+crop: float rounding of the crop box flips an 8-bit rounding
+at a few pixels) and scaled decode of large JPEGs (libjpeg's DCT scaling)."""
 import io
 import sys
 import struct
@@ -16,8 +18,30 @@ from export.artifacts import MODEL_REPOSITORY, PREPROCESS_MODEL
 sys.path.insert(0, str(MODEL_REPOSITORY / PREPROCESS_MODEL / "1"))
 import image_transform  # noqa: E402
 
-#: Stated tolerance of the served transform against torchvision's, per normalized value.
-TOLERANCE = 1e-5
+#: Stated tolerance of the served transform against torchvision's, full-decode path, per normalized value:
+#: none off by more than one 8-bit level (1 / (255 x the smallest std 0.224) = 0.0175) and mean |diff|
+#: <= 0.005. Resizing only the crop box (one Pillow resize) places the filters where torchvision's
+#: resize-then-crop does, but Pillow's filter coefficients computed from the box's float coordinates
+#: differ in the last bits and flip the rounding to 8 bits at some pixels (measured on the sample and
+#: held-out photos: 0 to 1% of values for landscape images, 20% for a portrait one whose crop is
+#: vertical; each exactly one level, mean |diff| <= 0.0036).
+FLOAT_TOLERANCE = 1e-5
+ONE_LEVEL = 1 / (255 * 0.224) + FLOAT_TOLERANCE
+MEAN_TOLERANCE = 0.005
+#: Scaled-decode path (a JPEG at least twice the needed size, decoded at 1/2..1/8 scale by libjpeg),
+#: against torchvision on the full decode, per normalized value: mean |diff| <= 0.025 (about 1.4 8-bit
+#: levels; measured 0.005-0.015 on 12-megapixel re-encodings of the sample photos) and max <= 0.35
+#: (about 20 levels, at sharp edges; measured 0.10-0.24).
+SCALED_MEAN_TOLERANCE = 0.025
+SCALED_MAX_TOLERANCE = 0.35
+
+
+def assert_matches_torchvision(actual: np.ndarray, expected: np.ndarray) -> None:
+    """The full-decode tolerance above."""
+    assert actual.shape == expected.shape == (3, 224, 224) and actual.dtype == np.float32
+    diff = np.abs(actual - expected)
+    assert diff.max() <= ONE_LEVEL, f"max |diff| {diff.max():.4f} > one 8-bit level"
+    assert diff.mean() <= MEAN_TOLERANCE, f"mean |diff| {diff.mean():.4f}"
 TORCHVISION_EVAL = transforms.Compose([
     transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
     transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
@@ -58,16 +82,13 @@ def variants():
 
 @pytest.mark.parametrize("name,data,expected_image", variants(), ids=[v[0] for v in variants()])
 def test_transform_matches_torchvision(name, data, expected_image):
-    actual = image_transform.preprocess(data)
-    assert actual.shape == (3, 224, 224) and actual.dtype == np.float32
-    assert np.max(np.abs(actual - reference(expected_image))) <= TOLERANCE
+    assert_matches_torchvision(image_transform.preprocess(data), reference(expected_image))
 
 
 @pytest.mark.parametrize("index", range(len(sample_photos())))
 def test_sample_photos_match_torchvision(index):
     path = sample_photos()[index]
-    actual = image_transform.preprocess(path.read_bytes())
-    assert np.max(np.abs(actual - reference(Image.open(path)))) <= TOLERANCE
+    assert_matches_torchvision(image_transform.preprocess(path.read_bytes()), reference(Image.open(path)))
 
 
 def test_exif_orientation_is_applied():
@@ -76,7 +97,44 @@ def test_exif_orientation_is_applied():
     exif[0x0112] = 6  # "rotate 90 CW to display"
     data = encode(rgb, "JPEG", quality=95, exif=exif)
     upright = Image.open(io.BytesIO(data)).transpose(Image.Transpose.ROTATE_270)
-    assert np.max(np.abs(image_transform.preprocess(data) - reference(upright))) <= TOLERANCE
+    assert_matches_torchvision(image_transform.preprocess(data), reference(upright))
+
+
+def large_jpeg(index: int, size=(4000, 3000), **options) -> bytes:
+    """A sample photo re-encoded as a 12-megapixel JPEG (quality 90), as phone cameras send."""
+    return encode(photo(index).convert("RGB").resize(size, Image.BICUBIC), "JPEG", quality=90, **options)
+
+
+@pytest.mark.parametrize("index", [0, 2, 4])
+def test_large_jpeg_is_decoded_scaled_within_its_tolerance(index):
+    data = large_jpeg(index)
+    decoded = image_transform.decode_rgb(data, min_short_side=image_transform.RESIZE_SHORT_SIDE)
+    assert decoded.size == (500, 375)  # 1/8 scale: the smallest whose short side is still >= 256
+    expected = reference(Image.open(io.BytesIO(data)))
+    scaled = image_transform.preprocess(data)
+    diff = np.abs(scaled - expected)
+    assert diff.mean() <= SCALED_MEAN_TOLERANCE and diff.max() <= SCALED_MAX_TOLERANCE, (diff.mean(), diff.max())
+    assert_matches_torchvision(image_transform.preprocess(data, scaled_decode=False), expected)
+
+
+def test_scaled_decode_keeps_the_exif_rotation_and_only_applies_to_large_jpegs():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display"
+    data = large_jpeg(0, exif=exif)
+    upright = Image.open(io.BytesIO(data)).transpose(Image.Transpose.ROTATE_270)
+    diff = np.abs(image_transform.preprocess(data) - reference(upright))
+    assert diff.mean() <= SCALED_MEAN_TOLERANCE
+    small = encode(photo(0).convert("RGB"), "JPEG", quality=95)  # 451x300: less than 2 x 256, full decode
+    assert image_transform.decode_rgb(small, min_short_side=256).size == (451, 300)
+    png = encode(photo(0).convert("RGB").resize((1200, 800)), "PNG")  # not a JPEG: full decode
+    assert image_transform.decode_rgb(png, min_short_side=256).size == (1200, 800)
+
+
+def test_preprocess_writes_into_the_row_it_is_given():
+    batch = np.full((2, 3, 224, 224), np.nan, np.float32)
+    returned = image_transform.preprocess(sample_photos()[0].read_bytes(), out=batch[1])
+    assert returned is batch[1] or np.shares_memory(returned, batch)
+    assert np.isnan(batch[0]).all() and np.isfinite(batch[1]).all()
 
 
 def png_claiming(width: int, height: int) -> bytes:
@@ -94,6 +152,7 @@ BAD_IMAGES = [
     ("empty", b"", "empty image"),
     ("text", b"this is not an image", "not an image"),
     ("truncated-jpeg", encode(photo(0).convert("RGB"), "JPEG")[:2000], "truncated"),
+    ("truncated-12mp-jpeg", large_jpeg(1)[:300_000], "truncated"),
     ("bomb", png_claiming(50_000, 50_000), "too large"),
     ("aspect", encode(Image.new("RGB", (2000, 10)), "PNG"), "aspect ratio"),
 ]
@@ -114,4 +173,4 @@ def test_preprocess_model_on_the_server_matches_torchvision(client):
     result = client.raw.infer(PREPROCESS_MODEL, [request], outputs=[module.InferRequestedOutput("pixels")])
     pixels = result.as_numpy("pixels")
     assert pixels.shape == (1, 3, 224, 224)
-    assert np.max(np.abs(pixels[0] - reference(Image.open(path)))) <= TOLERANCE
+    assert_matches_torchvision(pixels[0], reference(Image.open(path)))

@@ -1,7 +1,8 @@
 """Triton Python-backend model `preprocess`: encoded image bytes -> FP32 [3, 224, 224] ImageNet input.
 
 Each request carries a batch of images (input `image`, BYTES [N, 1]); the dynamic batcher hands several
-requests to one execute() call. Images are decoded one by one (they differ in size), so a corrupt image
+requests to one execute() call. Images are decoded one by one (they differ in size), each written straight
+into its row of the request's output batch (FP32 [N, 3, 224, 224]), so a corrupt image
 fails only its own request, with INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT) and a message naming
 the problem; the other requests of the batch get their tensors.
 """
@@ -23,6 +24,7 @@ class TritonPythonModel:
         output = config["output"][0]
         self.output_name = output["name"]
         self.output_dtype = pb_utils.triton_string_to_numpy(output["data_type"])
+        self.output_shape = tuple(int(d) for d in output["dims"])  # [3, 224, 224]
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.limits = ImageLimits(
             max_image_bytes=int(params["max_image_bytes"]),
@@ -34,14 +36,15 @@ class TritonPythonModel:
         return [self._respond(request) for request in requests]
 
     def _respond(self, request):
-        images = pb_utils.get_input_tensor_by_name(request, self.input_name).as_numpy()
+        images = pb_utils.get_input_tensor_by_name(request, self.input_name).as_numpy().reshape(-1)
+        pixels = np.empty((len(images), *self.output_shape), self.output_dtype)
         try:
-            pixels = np.stack([preprocess(bytes(item), self.limits) for item in images.reshape(-1)])
+            for item, row in zip(images, pixels):  # each image decoded straight into its row of the batch
+                preprocess(item, self.limits, out=row)
         except ImageDecodeError as exc:
             return pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"input '{self.input_name}': {exc}", pb_utils.TritonError.INVALID_ARG))
         except Exception as exc:  # a bug, not bad input: fail this request only, keep serving
             return pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"preprocess failed: {exc!r}", pb_utils.TritonError.INTERNAL))
-        return pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor(self.output_name, pixels.astype(self.output_dtype))])
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(self.output_name, pixels)])

@@ -1,45 +1,23 @@
 """Triton Python-backend model for an exported ResNet-18 (FP32 [N,3,224,224] -> logits FP32 [N,1000]).
 
-Shared by `resnet18_onnx` (model.onnx, run by ONNX Runtime) and `resnet18_torchscript` (model.pt, run by
-TorchScript): `resnet18_torchscript/1/model.py` is a link to this file. The config names the file
-(parameter `model_filename`) and the threads one execution may use (`intra_op_threads`, 0 = all cores).
+Shared by `resnet18_onnx` (model.onnx or model.int8.onnx, run by ONNX Runtime or OpenVINO) and
+`resnet18_torchscript` (model.pt, run by TorchScript): `resnet18_torchscript/1/model.py` is a link to this
+file. The config's parameters name the file, the runtime and its threads (runtimes.py, beside this file).
 
 execute() stacks the inputs of every request the dynamic batcher handed over into one batch, runs the
 network once, and splits the logits back per request. If the stacked run fails, each request is run
 alone, so only the request that fails gets an error.
 """
 import json
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-
-def load_onnxruntime(path: Path, threads: int):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    input_name = session.get_inputs()[0].name
-    return lambda batch: session.run(None, {input_name: batch})[0]
-
-
-def load_torchscript(path: Path, threads: int):
-    import torch
-
-    if threads > 0:
-        torch.set_num_threads(threads)
-    module = torch.jit.load(str(path), map_location="cpu").eval()
-
-    def run(batch):
-        with torch.inference_mode():
-            return module(torch.from_numpy(batch)).numpy()
-
-    return run
-
-
-RUNTIMES = {".onnx": load_onnxruntime, ".pt": load_torchscript}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runtimes  # noqa: E402  (beside this file: how each runtime is loaded and configured)
 
 
 class TritonPythonModel:
@@ -50,8 +28,8 @@ class TritonPythonModel:
         self.output_name = output["name"]
         self.output_dtype = pb_utils.triton_string_to_numpy(output["data_type"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
-        path = Path(args["model_repository"]) / args["model_version"] / params["model_filename"]
-        self.run = RUNTIMES[path.suffix](path, int(params.get("intra_op_threads", "0")))
+        spec = runtimes.RuntimeSpec.from_parameters(params, Path(args["model_repository"]) / args["model_version"])
+        self.run = runtimes.load(spec)
 
     def execute(self, requests):
         inputs = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]

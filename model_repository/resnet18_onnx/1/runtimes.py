@@ -1,0 +1,98 @@
+"""The network's runtimes: an exported ResNet-18 file -> a function FP32 [N,3,224,224] -> logits FP32 [N,1000].
+
+One place for how each runtime is loaded and configured, used by the served models (model.py beside this
+file reads a `RuntimeSpec` from its config's parameters) and by the in-process measurements (bench/), so
+the in-process figures are the served code's.
+
+  onnxruntime  model.onnx (FP32) or model.int8.onnx (INT8 QDQ), CPUExecutionProvider;
+  openvino     the same ONNX files compiled by OpenVINO for "CPU": `precision` "f32" or "bf16" (its
+               INFERENCE_PRECISION_HINT; on a CPU with AVX-512 BF16 OpenVINO's own default is bf16) for
+               the layers that are not INT8;
+  torchscript  model.pt, torch.jit on the CPU.
+
+Config parameters (all string values): model_filename; runtime (default: onnxruntime for .onnx,
+torchscript for .pt); intra_op_threads (0 = the runtime's default, one thread per core); allow_spinning
+("1"/"0", ONNX Runtime: idle intra-op threads spin-wait for work, which takes cores from other processes);
+precision (openvino: "f32" or "bf16").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+Runner = Callable[[np.ndarray], np.ndarray]
+RUNTIMES = ("onnxruntime", "openvino", "torchscript")
+_DEFAULT_RUNTIME = {".onnx": "onnxruntime", ".pt": "torchscript"}
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """How to run one exported file. threads: intra-op threads, 0 = one per core."""
+
+    path: Path
+    runtime: str = "onnxruntime"
+    threads: int = 0
+    allow_spinning: bool = True
+    precision: str = "f32"
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], version_dir: Path) -> "RuntimeSpec":
+        """The spec a model config's `parameters` (key -> string value) describe, for the file in
+        `version_dir`. Raises ValueError naming an unknown runtime or precision."""
+        path = Path(version_dir) / params["model_filename"]
+        spec = cls(path=path, runtime=params.get("runtime", _DEFAULT_RUNTIME.get(path.suffix, "")),
+                   threads=int(params.get("intra_op_threads", "0")),
+                   allow_spinning=params.get("allow_spinning", "1") != "0",
+                   precision=params.get("precision", "f32"))
+        if spec.runtime not in RUNTIMES:
+            raise ValueError(f"unknown runtime {spec.runtime!r} for {path.name} (one of {', '.join(RUNTIMES)})")
+        if spec.precision not in ("f32", "bf16"):
+            raise ValueError(f"unknown precision {spec.precision!r} (f32 or bf16)")
+        return spec
+
+
+def load(spec: RuntimeSpec) -> Runner:
+    """Load `spec.path` with its runtime, once; the returned function runs one batch."""
+    return {"onnxruntime": _onnxruntime, "openvino": _openvino, "torchscript": _torchscript}[spec.runtime](spec)
+
+
+def _onnxruntime(spec: RuntimeSpec) -> Runner:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = spec.threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spec.allow_spinning else "0")
+    session = ort.InferenceSession(str(spec.path), options, providers=["CPUExecutionProvider"])
+    input_name = session.get_inputs()[0].name
+    return lambda batch: session.run(None, {input_name: batch})[0]
+
+
+def _openvino(spec: RuntimeSpec) -> Runner:
+    import openvino as ov
+
+    config = {"INFERENCE_PRECISION_HINT": spec.precision, "PERFORMANCE_HINT": "LATENCY"}
+    if spec.threads:
+        config["INFERENCE_NUM_THREADS"] = spec.threads
+    compiled = ov.Core().compile_model(str(spec.path), "CPU", config)
+    request = compiled.create_infer_request()
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        request.infer({0: batch})
+        return request.get_output_tensor(0).data.copy()  # the request reuses its buffer
+    return run
+
+
+def _torchscript(spec: RuntimeSpec) -> Runner:
+    import torch
+
+    if spec.threads > 0:
+        torch.set_num_threads(spec.threads)
+    module = torch.jit.load(str(spec.path), map_location="cpu").eval()
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return module(torch.from_numpy(batch)).numpy()
+    return run

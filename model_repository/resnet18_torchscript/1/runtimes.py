@@ -1,0 +1,1 @@
+../../resnet18_onnx/1/runtimes.py
