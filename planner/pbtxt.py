@@ -66,6 +66,10 @@ def planned_config(base: model_config_pb2.ModelConfig, batcher: BatcherConfig, i
         config.instance_group.add(kind=model_config_pb2.ModelInstanceGroup.KIND_AUTO)
     del config.instance_group[1:]
     config.instance_group[0].count = instances
+    # The planner's model runs its instances side by side, each with the threads its profile measured;
+    # a base config's rate-limiter resources (the default's "cores": one instance at a time) would
+    # serialize them, so a planned or profiled config drops them.
+    config.instance_group[0].ClearField("rate_limiter")
     for key, value in (parameters or {}).items():
         config.parameters[key].string_value = value
     for warmup in config.model_warmup:

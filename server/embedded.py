@@ -142,6 +142,9 @@ def server_command(config: ServerConfig) -> list[str]:
         f"--metrics-address={config.host}", f"--metrics-port={config.metrics_port}",
         "--allow-gpu-metrics=false",
         f"--exit-timeout-secs={config.exit_timeout_s}",
+        # Triton's rate limiter: instances that declare rate_limiter resources (the CPU network configs'
+        # "cores") run only while those resources are free; instances that declare none are not limited.
+        "--rate-limit=execution_count",
         f"--backend-config=python,shm-default-byte-size={config.python_shm_default_bytes}",
         f"--backend-config=python,shm-growth-byte-size={config.python_shm_growth_bytes}",
         f"--log-verbose={config.log_verbose}",

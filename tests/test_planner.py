@@ -286,12 +286,12 @@ def test_trace_loads_text_and_perf_analyzer_export(tmp_path):
 
 def test_batcher_read_from_the_repositorys_configs():
     base = load_config(MODEL_REPOSITORY / "resnet18_onnx" / "config.pbtxt")
-    assert batcher_from_config(base) == BatcherConfig(16, True, (8, 16), 5000, QueuePolicy(64, 0, True))
+    assert batcher_from_config(base) == BatcherConfig(16, True, (8, 16), 0, QueuePolicy(64, 0, True))
     throughput = batcher_from_config(load_config(MODEL_REPOSITORY / "resnet18_onnx/configs/throughput.pbtxt"))
     assert (throughput.max_batch_size, throughput.preferred, throughput.max_queue_delay_us) == (32, (32,), 100_000)
     assert not batcher_from_config(load_config(MODEL_REPOSITORY / "resnet18_onnx/configs/no_batching.pbtxt")
                                    ).dynamic_batching
-    assert instance_count(base) == 1
+    assert instance_count(base) == 2
 
 
 def test_planned_config_is_the_base_config_with_the_plan_and_parses_back(tmp_path):
@@ -304,6 +304,8 @@ def test_planned_config_is_the_base_config_with_the_plan_and_parses_back(tmp_pat
     assert (again.name, again.backend, again.input[0].dims) == (base.name, base.backend, base.input[0].dims)
     assert batcher_from_config(again) == batcher
     assert again.instance_group[0].count == 2 and again.parameters["intra_op_threads"].string_value == "1"
+    assert base.instance_group[0].rate_limiter.resources  # the default serializes its instances ...
+    assert not again.instance_group[0].HasField("rate_limiter")  # ... a plan runs them side by side
     assert all(w.batch_size <= 8 for w in again.model_warmup)
     unbatched = planned_config(base, BatcherConfig(16, dynamic_batching=False), 1)
     assert not unbatched.HasField("dynamic_batching")
