@@ -3,7 +3,7 @@
 PYTHON := .venv/bin/python
 ARGS ?=
 
-.PHONY: setup export serve demo classify test clean
+.PHONY: setup export serve demo classify test evaluate clean
 
 setup:  ## venv with every pinned dependency + Debian packages (idempotent)
 	@scripts/setup.sh
@@ -22,6 +22,9 @@ classify: setup  ## classify images on a running server: make classify ARGS="pho
 
 test: export  ## pytest against a real tritonserver on free ports
 	@$(PYTHON) -m pytest $(ARGS)
+
+evaluate: export  ## accuracy (labelled folder) and agreement with FP32 of served variants: make evaluate ARGS="folder/ --variants int8"
+	@$(PYTHON) -m bench.evaluate $(ARGS)
 
 clean:  ## remove build outputs (exported models, results); keeps the venv
 	rm -rf results .pytest_cache model_repository/*/1/*.onnx model_repository/*/1/*.pt \
