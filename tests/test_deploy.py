@@ -28,7 +28,7 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from export.artifacts import (ALL_MODELS, MODEL_REPOSITORY, ONNX_PATH, PREPROCESS_MODEL, REPO_ROOT,
+from export.artifacts import (ALL_MODELS, MODEL_REPOSITORY, ONNX_INT8_PATH, ONNX_PATH, PREPROCESS_MODEL, REPO_ROOT,
                               TORCHSCRIPT_PATH, WARMUP_IMAGE_PATH)
 from server.embedded import library_path, server_environment, tritonserver_binary
 
@@ -41,7 +41,8 @@ KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu")
 LOADER_POD = KUSTOMIZE_ROOT / "tools" / "model-loader.yaml"
 ADAPTER_VALUES = KUSTOMIZE_ROOT / "prometheus-adapter" / "values.yaml"
 #: The files `make export` writes that a server cannot start without (relative to the repository).
-MODEL_FILES = sorted(str(p.relative_to(MODEL_REPOSITORY)) for p in (ONNX_PATH, TORCHSCRIPT_PATH, WARMUP_IMAGE_PATH))
+MODEL_FILES = sorted(str(p.relative_to(MODEL_REPOSITORY)) for p in (ONNX_PATH, ONNX_INT8_PATH, TORCHSCRIPT_PATH,
+                                                                    WARMUP_IMAGE_PATH))
 #: Arguments only the Kubernetes Deployment passes (client-side load balancing across replicas).
 KUBERNETES_ONLY_FLAGS = ("--grpc-max-connection-age", "--grpc-max-connection-age-grace")
 ADMIN_KEY = "test-admin-key"
@@ -250,10 +251,10 @@ def test_dockerfile_extends_the_same_image_with_pinned_packages():
     text = DOCKERFILE.read_text()
     assert re.findall(r"^FROM (\S+)", text, re.M) == [TRITON_IMAGE]
     pins = dict(re.findall(r"^\s+([a-z][a-z0-9_-]*)==(\S+)", text, re.M))
-    assert set(pins) == {"numpy", "pillow", "onnxruntime", "torch"}
+    assert set(pins) == {"numpy", "pillow", "onnxruntime", "openvino", "torch"}
     requirements = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (REPO_ROOT / "requirements.txt").read_text(), re.M))
     # numpy matches; the others are the newest releases with wheels for the image's Python 3.10 (see Dockerfile).
-    assert pins["numpy"] == requirements["numpy"]
+    assert pins["numpy"] == requirements["numpy"] and pins["openvino"] == requirements["openvino"]
     assert re.search(r"^USER triton-server$", text, re.M)
 
 
