@@ -14,8 +14,15 @@ server really loaded is read back and recorded. Per config:
     the server's CPU utilization sampled from the metrics endpoint.
 Then the batching-layer ceiling: the trivial `identity` model through the same server and batcher.
 
+Then the main job end to end (bench/pipeline.py; --skip-pipeline leaves it out, --skip-tensor-sweeps runs
+only it): encoded photos (the sample photos, and the same as 12-megapixel JPEGs) as real BYTES requests
+through the `resnet18` ensemble (preprocess -> resnet18_onnx), per config variant (--pipeline-variants;
+default: "default" and "int8" when configs/int8.pbtxt exists), photo set, protocol and concurrency, with
+the server's split per step (queue, compute, average batch), against the same pipeline in-process.
+
 Writes results/bench-<UTC time>[-quick]/: perf_analyzer's files per level, machine.json, summary.json,
-report.md and three PNG plots. --quick finishes in under 3 minutes on the 2-core reference machine.
+report.md and PNG plots (three for the tensor sweeps, two end to end). --quick finishes in about 6
+minutes on the 2-core reference machine (under 3 without the end-to-end part).
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ from tqdm import tqdm
 from bench import inprocess
 from bench.machine import cpu_share, cpu_ticks, machine_info
 from bench.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
+from bench.pipeline import pipeline_options, print_targets, run_pipeline
+from bench.pipeline_config import served_config, variant_config
 from bench.report import saturation_row, write_report
 from bench.server_stats import CpuSampler, model_statistics, statistics_delta
 from client.classifier import TritonClassifierClient
@@ -52,25 +61,9 @@ def config_names(model: str) -> list[str]:
 
 def local_batching(model: str, name: str) -> tuple[int, int, int]:
     """(max_batch_size, max_queue_size, instances) of config `name` as written in the model repository."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    path = MODEL_REPOSITORY / model / ("config.pbtxt" if name == "default" else f"configs/{name}.pbtxt")
-    config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    config = variant_config(model, name)
     return (config.max_batch_size, config.dynamic_batching.default_queue_policy.max_queue_size,
             sum(g.count for g in config.instance_group))
-
-
-def served_config(client: TritonClassifierClient, model: str) -> dict:
-    """The batching settings the server actually loaded for `model` (read back over HTTP)."""
-    config = client.model_config(model)
-    batcher = config.get("dynamic_batching")
-    policy = (batcher or {}).get("default_queue_policy", {})
-    return {"max_batch_size": int(config["max_batch_size"]), "dynamic_batching": batcher is not None,
-            "preferred_batch_size": [int(b) for b in (batcher or {}).get("preferred_batch_size", [])],
-            "max_queue_delay_us": int((batcher or {}).get("max_queue_delay_microseconds", 0)),
-            "max_queue_size": int(policy.get("max_queue_size", 0)),
-            "instances": sum(int(g["count"]) for g in config["instance_group"])}
 
 
 def measure_level(server: EmbeddedTritonServer, model: str, load: LoadSpec, level: float, out_dir: Path,
@@ -227,7 +220,8 @@ def evaluate_targets(configs: dict[str, dict], identity: dict, cores: int) -> li
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer levels, shorter windows (< 3 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer levels, fixed request counts: ~6 min (< 3 min with --skip-pipeline)")
     parser.add_argument("--model", default=ONNX_MODEL)
     parser.add_argument("--configs", nargs="*", help="config names (default: all CPU configs of the model)")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
@@ -235,30 +229,59 @@ def main(argv: list[str] | None = None) -> int:
                         help="perf_analyzer's tensor transport (default system: same host)")
     parser.add_argument("--measurement-ms", type=int, help="perf_analyzer window (default 2500, quick 1500)")
     parser.add_argument("--out", type=Path, help="results folder (default results/bench-<time>)")
+    parser.add_argument("--pipeline-variants", nargs="+", metavar="NAME",
+                        help="config variants for the end-to-end part (server-wide --model-config-name; "
+                             "default: default, and int8 when configs/int8.pbtxt exists)")
+    parser.add_argument("--skip-tensor-sweeps", action="store_true",
+                        help="run only the end-to-end part (no per-config tensor sweeps, no identity ceiling)")
+    parser.add_argument("--skip-pipeline", action="store_true", help="leave the end-to-end part out")
+    parser.add_argument("--pipeline-served-repository", type=Path, metavar="DIR",
+                        help="serve the end-to-end part from this model repository (e.g. an older checkout's "
+                             "model_repository/, for a before/after); the in-process twin is this checkout's")
     args = parser.parse_args(argv)
     if missing_artifacts():
         print("bench: model files missing: run `make export` first", file=sys.stderr)
         return 2
+    if args.skip_tensor_sweeps and args.skip_pipeline:
+        parser.error("--skip-tensor-sweeps and --skip-pipeline together leave nothing to run")
     args.measurement_ms = args.measurement_ms or (1500 if args.quick else 2500)
     args.inprocess_s = 1.5 if args.quick else 8.0
     #: Request rates as fractions of the in-process ceiling at max batch (its capacity on this machine).
     args.rate_fractions = (0.7,) if args.quick else (0.3, 0.7, 0.9)
     args.rate_configs = ("default",) if args.quick else ("default", "throughput")
-    names = args.configs or config_names(args.model)
+    names = [] if args.skip_tensor_sweeps else args.configs or config_names(args.model)
+    try:
+        pipeline = None if args.skip_pipeline else replace(pipeline_options(
+            args.quick, args.pipeline_variants, None if args.quick else args.measurement_ms),
+            served_repository=args.pipeline_served_repository)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     started, ticks = time.time(), cpu_ticks()
     stamp = datetime.datetime.now(datetime.timezone.utc)
     run_dir = args.out.resolve() if args.out else REPO_ROOT / "results" / f"bench-{stamp:%Y%m%d-%H%M%S}{'-quick' if args.quick else ''}"
     run_dir.mkdir(parents=True, exist_ok=False)
     steps = sum(len(concurrency_levels(n, *local_batching(args.model, n), quick=args.quick)) for n in names)
-    steps += len(args.rate_fractions) * sum(n in args.rate_configs for n in names) + (1 if args.quick else 6)
-    configs = {}
+    if names:
+        steps += len(args.rate_fractions) * sum(n in args.rate_configs for n in names) + (1 if args.quick else 6)
+    steps += pipeline.perf_runs if pipeline else 0
+    configs, parts, identity = {}, {}, None  # parts: the measured sections of summary.json
     with tqdm(total=steps, unit="level", file=sys.stderr) as progress:
         for name in names:
             configs[name] = run_config(name, args.model, run_dir, args, progress)
-        identity = run_identity(run_dir, args, progress)
-    torchscript = [asdict(r) for r in inprocess.measure("torchscript", [1, 16, 32], duration_s=args.inprocess_s)]
-    machine = machine_info(next(iter(configs.values()))["triton_version"])
+        if names:
+            identity = run_identity(run_dir, args, progress)
+        if pipeline:
+            parts["pipeline"] = run_pipeline(run_dir, pipeline, progress)
+    if names:
+        torchscript = [asdict(r) for r in inprocess.measure("torchscript", [1, 16, 32], duration_s=args.inprocess_s)]
+        parts.update({
+            "configs": list(configs.values()),
+            "inprocess": [r for c in configs.values() for r in c["inprocess"] if c["name"] == names[0]] + torchscript,
+            "identity": identity})
+    versions = [c["triton_version"] for c in configs.values()] + [
+        v["triton_version"] for v in parts.get("pipeline", {}).get("variants", [])]
+    machine = machine_info(versions[0])
     machine["cpu_during_run"] = cpu_share(ticks, cpu_ticks())  # steal > a few % means a noisy neighbour
     summary = {
         "command": "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -266,19 +289,21 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "machine": machine,
         "perf_analyzer": {"protocol": args.protocol, "shared_memory": args.shared_memory,
                           "measurement_ms": args.measurement_ms},
-        "configs": list(configs.values()),
-        "inprocess": [r for c in configs.values() for r in c["inprocess"] if c["name"] == names[0]] + torchscript,
-        "identity": identity,
-        "targets": evaluate_targets(configs, identity, machine["cores"]),
+        "configs": [], "inprocess": [],  # "identity" only when measured (planner/measure.py reads it)
+        **parts,
+        "targets": evaluate_targets(configs, identity, machine["cores"]) if names else [],
     }
     (run_dir / "machine.json").write_text(json.dumps(machine, indent=2) + "\n")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report = write_report(run_dir)
     shown = report.relative_to(REPO_ROOT) if report.is_relative_to(REPO_ROOT) else report  # --out may be elsewhere
     print(f"\nbench: {shown} ({time.time() - started:.0f} s)")
-    for target in summary["targets"]:
-        print(f"  {'met   ' if target['met'] else 'MISSED'} {target['name']}: {target['measured']} "
-              f"(wanted {target['wanted']})")
+    if summary["targets"]:
+        print("tensor sweeps (resnet18_onnx):")
+        print_targets(summary["targets"])
+    if "pipeline" in summary:
+        print("end to end (resnet18 ensemble, encoded photos):")
+        print_targets(summary["pipeline"]["targets"])
     return 0
 
 

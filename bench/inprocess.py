@@ -6,6 +6,8 @@ and one single-threaded session per core running side by side (`measure_parallel
 twin of N model instances with `intra_op_threads: 1`. The ceiling is the better of the two, so a server
 config cannot look efficient merely by using an arrangement the in-process baseline did not try.
 Serving efficiency = served infer/s / ceiling infer/s at the batch size the server formed.
+The networks are loaded by the served models' own code (runtimes.py, see `load_runner`). The end-to-end
+twin (decode + network, encoded photos in) is bench/pipeline_inprocess.py.
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from export.artifacts import ONNX_PATH, TORCHSCRIPT_PATH
+from export.artifacts import ONNX_PATH, TORCHSCRIPT_PATH, runtimes
 
 
 @dataclass
 class InProcessResult:
     """runtime: "onnxruntime" or "torchscript"; batch_size; throughput in images/s over the timed
-    runs; p50_ms / mean_ms: latency of one batch, milliseconds; runs: timed batches."""
+    runs; p50_ms / mean_ms / p99_ms: latency of one batch, milliseconds; runs: timed batches."""
 
     runtime: str  # "onnxruntime", or "onnxruntime x2 sessions, 1 thread each" from measure_parallel
     batch_size: int
@@ -30,29 +32,22 @@ class InProcessResult:
     p50_ms: float
     mean_ms: float
     runs: int
+    p99_ms: float = float("nan")
+
+
+#: load_runner's runtimes -> the exported file each runs.
+_RUNTIME_FILES = {"onnxruntime": ONNX_PATH, "torchscript": TORCHSCRIPT_PATH}
 
 
 def load_runner(runtime: str, threads: int = 0):
-    """A function FP32 [N,3,224,224] -> logits for `runtime`, loaded once (threads 0 = all cores)."""
-    if runtime == "onnxruntime":
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        session = ort.InferenceSession(str(ONNX_PATH), options, providers=["CPUExecutionProvider"])
-        return lambda batch: session.run(None, {"input": batch})[0]
-    if runtime == "torchscript":
-        import torch
-
-        if threads > 0:
-            torch.set_num_threads(threads)
-        module = torch.jit.load(str(TORCHSCRIPT_PATH), map_location="cpu").eval()
-
-        def run(batch):
-            with torch.inference_mode():
-                return module(torch.from_numpy(batch)).numpy()
-        return run
-    raise ValueError(f"unknown runtime {runtime!r} (onnxruntime, torchscript)")
+    """A function FP32 [N,3,224,224] -> logits FP32 [N,1000] for `runtime` ("onnxruntime": model.onnx,
+    "torchscript": model.pt), loaded once by the served models' own loader code
+    (model_repository/resnet18_onnx/1/runtimes.py, via export.artifacts.runtimes()); threads: intra-op
+    threads, 0 = one per core. ONNX Runtime keeps its default spin-waiting here."""
+    if runtime not in _RUNTIME_FILES:
+        raise ValueError(f"unknown runtime {runtime!r} (onnxruntime, torchscript)")
+    loaders = runtimes()
+    return loaders.load(loaders.RuntimeSpec(path=_RUNTIME_FILES[runtime], runtime=runtime, threads=threads))
 
 
 def measure(runtime: str, batch_sizes: list[int], duration_s: float = 5.0, threads: int = 0,
@@ -72,7 +67,8 @@ def measure(runtime: str, batch_sizes: list[int], duration_s: float = 5.0, threa
             times.append(time.perf_counter() - t0)
         seconds = np.array(times)
         results.append(InProcessResult(runtime, batch_size, float(batch_size * len(times) / seconds.sum()),
-                                       float(np.median(seconds) * 1e3), float(seconds.mean() * 1e3), len(times)))
+                                       float(np.median(seconds) * 1e3), float(seconds.mean() * 1e3), len(times),
+                                       float(np.percentile(seconds, 99) * 1e3)))
     return results
 
 
@@ -107,4 +103,5 @@ def measure_parallel(batch_size: int, duration_s: float = 5.0, sessions: int | N
     throughput = sum(batch_size * len(t) / sum(t) for t in times)
     seconds = np.concatenate([np.array(t) for t in times])
     return InProcessResult(f"onnxruntime x{sessions} sessions, 1 thread each", batch_size, float(throughput),
-                           float(np.median(seconds) * 1e3), float(seconds.mean() * 1e3), int(seconds.size))
+                           float(np.median(seconds) * 1e3), float(seconds.mean() * 1e3), int(seconds.size),
+                           float(np.percentile(seconds, 99) * 1e3))

@@ -52,6 +52,11 @@ class LoadSpec:
     fallback_request_count: when no stable windows come (see run_level), measure exactly this many
         requests instead (--request-count: one measurement, no stability check); 0 = fail instead.
     request_count: > 0 = skip the stabilized windows and measure exactly this many requests (--quick).
+    input_data: a JSON file for --input-data (real inputs, e.g. encoded photos as BYTES: bench/photos.py);
+        None = perf_analyzer's random data.
+    profile_export: write --profile-export-file (profile.json: per-request timestamps, for latency mean,
+        std, min, max). False for real BYTES inputs: perf_analyzer 2.51 also records every request's input
+        in it, raw (the encoded photo itself, not valid UTF-8): 10 MB for 10 requests of the sample photos.
     """
 
     mode: str
@@ -65,6 +70,8 @@ class LoadSpec:
     async_mode: bool = False
     fallback_request_count: int = 0
     request_count: int = 0
+    input_data: Path | None = None
+    profile_export: bool = True
 
 
 @dataclass
@@ -189,8 +196,9 @@ def command(model: str, url: str, protocol: str, load: LoadSpec, level: float, o
     stabilized time windows, or exactly `count` requests when count > 0."""
     flag = "--concurrency-range" if load.mode == "concurrency" else "--request-rate-range"
     cmd = [str(perf_analyzer_binary()), "-m", model, "-u", url, "-i", protocol,
-           "-f", str(out_dir / "perf.csv"), "--verbose-csv",
-           "--profile-export-file", str(out_dir / "profile.json")]
+           "-f", str(out_dir / "perf.csv"), "--verbose-csv"]
+    if load.profile_export:
+        cmd += ["--profile-export-file", str(out_dir / "profile.json")]
     cmd += [flag, f"{level:g}:{level:g}"]
     if count:
         cmd += ["--request-count", str(count)]
@@ -200,6 +208,8 @@ def command(model: str, url: str, protocol: str, load: LoadSpec, level: float, o
         cmd += ["--request-distribution", "poisson"]
     for name, shape in load.shapes.items():
         cmd += ["--shape", f"{name}:{shape}"]
+    if load.input_data is not None:
+        cmd += ["--input-data", str(load.input_data)]
     if load.shared_memory != "none":
         cmd += ["--shared-memory", load.shared_memory]
         if load.output_shm_bytes:

@@ -1,4 +1,8 @@
-"""Turn a benchmark run's summary.json into report.md and PNG plots (matplotlib, no display needed)."""
+"""Turn a benchmark run's summary.json into report.md and PNG plots (matplotlib, no display needed).
+
+Sections: the tensor sweeps of resnet18_onnx per config (summary "configs", "inprocess", "identity";
+absent with --skip-tensor-sweeps) and the end-to-end pipeline (summary "pipeline", bench/pipeline_report.py;
+absent with --skip-pipeline)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +12,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from bench import pipeline_report  # noqa: E402
 
 BREAKDOWN = (("server_queue_us", "server queue"), ("server_compute_input_us", "compute input"),
              ("server_compute_infer_us", "compute infer"), ("server_compute_output_us", "compute output"),
@@ -99,21 +105,32 @@ def level_table(rows: list[dict], level_name: str) -> list[str]:
 
 def markdown(summary: dict, plots: dict[str, str]) -> str:
     machine = summary["machine"]
-    out = [f"# Benchmark report: {summary['model']} on Triton {machine['triton_version']}", "",
+    out = [f"# Benchmark report: ResNet-18 on Triton {machine['triton_version']}", "",
            f"Command: `{summary['command']}`  ",
            f"Started {summary['started_utc']}, took {summary['elapsed_s']:.0f} s. Machine: {machine['cpu']}, "
            f"{machine['cores']} cores, GPU: {machine['gpu'] or 'none'}; Python {machine['python']}, "
            f"onnxruntime {machine['onnxruntime']}, torch {machine['torch']}. During the run the CPUs were "
            f"{machine['cpu_during_run']['busy']:.0%} busy and {machine['cpu_during_run']['steal']:.0%} stolen "
-           f"by the hypervisor.  ",
+           f"by the hypervisor. Client and server on the same machine.", ""]
+    if summary.get("pipeline"):
+        out += pipeline_report.markdown(summary["pipeline"], plots)
+    if summary.get("configs"):
+        out += tensor_markdown(summary, plots)
+    return "\n".join(out) + "\n"
+
+
+def tensor_markdown(summary: dict, plots: dict[str, str]) -> list[str]:
+    """The tensor sweeps' sections (FP32 tensors to the network model, per config), as lines."""
+    machine = summary["machine"]
+    out = [f"## Tensor sweeps: {summary['model']} per config", "",
            f"Load: perf_analyzer {summary['perf_analyzer']['protocol']}, shared memory "
            f"`{summary['perf_analyzer']['shared_memory']}`, measurement window "
-           f"{summary['perf_analyzer']['measurement_ms']} ms; client and server on the same machine. "
+           f"{summary['perf_analyzer']['measurement_ms']} ms. "
            f"Latencies in ms. Configs switched by restarting tritonserver with `--model-config-name`.", ""]
-    out += ["## Targets", "", "| target | wanted | measured | verdict |", "|---|---|---|---|"]
+    out += ["### Targets", "", "| target | wanted | measured | verdict |", "|---|---|---|---|"]
     for t in summary["targets"]:
         out.append(f"| {t['name']} | {t['wanted']} | {t['measured']} | {'met' if t['met'] else 'MISSED'} |")
-    out += ["", "## Configs", "", "| config | max batch | preferred | max queue delay µs | max queue | "
+    out += ["", "### Configs", "", "| config | max batch | preferred | max queue delay µs | max queue | "
             "process start → ready s | first inference ms | in-process infer/s at max batch (before / after the sweep) | "
             "best served infer/s | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in summary["configs"]:
@@ -127,17 +144,17 @@ def markdown(summary: dict, plots: dict[str, str]) -> str:
             f"![latency breakdown]({plots['latency_breakdown']})", "",
             f"![batch sizes]({plots['batch_sizes']})", ""]
     for c in summary["configs"]:
-        out += [f"### {c['name']}: concurrency sweep", ""] + level_table(c["concurrency"], "concurrency")
+        out += [f"#### {c['name']}: concurrency sweep", ""] + level_table(c["concurrency"], "concurrency")
         if c["request_rate"]:
-            out += ["", f"### {c['name']}: request-rate sweep (Poisson)", ""]
+            out += ["", f"#### {c['name']}: request-rate sweep (Poisson)", ""]
             out += level_table(c["request_rate"], "requests/s")
         out.append("")
-    out += ["## In-process ceiling (no server)", "", "| runtime | batch | images/s | p50 ms per batch |",
+    out += ["### In-process ceiling (no server)", "", "| runtime | batch | images/s | p50 ms per batch |",
             "|---|---|---|---|"]
     for r in summary["inprocess"]:
         out.append(f"| {r['runtime']} | {r['batch_size']} | {r['throughput']:.1f} | {r['p50_ms']:.1f} |")
     ident = summary["identity"]
-    out += ["", f"## Batching-layer ceiling: `identity` (FP32 [16], Python backend, {ident['instances']} "
+    out += ["", f"### Batching-layer ceiling: `identity` (FP32 [16], Python backend, {ident['instances']} "
             f"instances, dynamic batcher, perf_analyzer {ident['protocol']} {ident['mode']})", "",
             "| concurrency | infer/s | infer/s per core | p50 ms | p99 ms | avg batch | server CPU |",
             "|---|---|---|---|---|---|---|"]
@@ -146,7 +163,7 @@ def markdown(summary: dict, plots: dict[str, str]) -> str:
         out.append(f"| {r['level']:g} | {r['throughput']:.0f} | {r['throughput'] / machine['cores']:.0f} | "
                    f"{_ms(r['p50_us'])} | {_ms(r['p99_us'])} | {r['server']['average_batch']:.1f} | "
                    f"{'n/a' if cpu is None else f'{cpu:.0%}'} |")
-    return "\n".join(out) + "\n"
+    return out + [""]
 
 
 def _ceiling(config: dict) -> str:
@@ -157,13 +174,18 @@ def _ceiling(config: dict) -> str:
 
 
 def write_report(run_dir: Path) -> Path:
-    """Read run_dir/summary.json, write the three plots and report.md; return report.md's path."""
+    """Read run_dir/summary.json, write the plots of the parts it has (three for the tensor sweeps, two
+    for the end-to-end pipeline) and report.md; return report.md's path."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    plots = {"throughput_vs_p99": "throughput_vs_p99.png", "latency_breakdown": "latency_breakdown.png",
-             "batch_sizes": "batch_sizes.png"}
-    plot_throughput_vs_p99(summary, run_dir / plots["throughput_vs_p99"])
-    plot_latency_breakdown(summary, run_dir / plots["latency_breakdown"])
-    plot_batch_sizes(summary, run_dir / plots["batch_sizes"])
+    plots = {}
+    if summary.get("configs"):
+        plots = {"throughput_vs_p99": "throughput_vs_p99.png", "latency_breakdown": "latency_breakdown.png",
+                 "batch_sizes": "batch_sizes.png"}
+        plot_throughput_vs_p99(summary, run_dir / plots["throughput_vs_p99"])
+        plot_latency_breakdown(summary, run_dir / plots["latency_breakdown"])
+        plot_batch_sizes(summary, run_dir / plots["batch_sizes"])
+    if summary.get("pipeline"):
+        plots.update(pipeline_report.write_plots(summary["pipeline"], run_dir))
     report = run_dir / "report.md"
     report.write_text(markdown(summary, plots))
     return report

@@ -153,3 +153,170 @@ def test_periodic_sampler_samples_at_the_interval_and_at_the_edges_and_drops_non
     with Counter(10.0) as inner:
         pass
     assert inner.calls == 0 and inner.samples == []  # no interval elapsed, no edges asked for
+
+
+# --- the end-to-end pipeline: encoded photos through the `resnet18` ensemble (bench/pipeline.py) ---
+
+
+def test_bytes_input_data_holds_each_photo_as_a_length_prefixed_serialized_tensor(tmp_path):
+    """--input-data JSON: one entry per photo, in order; b64 decodes to a 4-byte little-endian length
+    followed by exactly the file's bytes (Triton's serialized BYTES element); shape [1]."""
+    import base64
+    import json
+    import struct
+
+    from bench.photos import write_input_data
+
+    payloads = [b"\xff\xd8 not really a jpeg", bytes(range(256)) * 300]  # the second is over 64 KiB
+    paths = []
+    for i, payload in enumerate(payloads):
+        paths.append(tmp_path / f"photo{i}.bin")
+        paths[-1].write_bytes(payload)
+    data = json.loads(write_input_data(paths, tmp_path / "input.json").read_text())["data"]
+    assert len(data) == len(payloads)
+    for entry, payload in zip(data, payloads):
+        assert set(entry) == {"image"} and entry["image"]["shape"] == [1]
+        raw = base64.b64decode(entry["image"]["b64"])
+        assert struct.unpack("<I", raw[:4])[0] == len(payload) and raw[4:] == payload
+
+
+def test_command_line_with_input_data_and_without_export_or_shared_memory(tmp_path):
+    data = tmp_path / "input.json"
+    load = LoadSpec("concurrency", (4,), input_data=data, profile_export=False)
+    cmd = command("resnet18", "127.0.0.1:8001", "grpc", load, 4, tmp_path, count=20)
+    assert cmd[cmd.index("--input-data") + 1] == str(data)
+    joined = " ".join(cmd)
+    assert "-m resnet18" in joined and "--concurrency-range 4:4" in joined and "--request-count 20" in joined
+    assert "--shared-memory" not in cmd and "--profile-export-file" not in cmd
+    plain = command(ONNX_MODEL, "127.0.0.1:8001", "grpc", LoadSpec("concurrency", (4,)), 4, tmp_path)
+    assert "--input-data" not in plain and "--profile-export-file" in plain  # unchanged without them
+
+
+def test_12mp_photo_set_is_the_sample_photos_as_12_megapixel_jpegs_cached(tmp_path):
+    from PIL import Image
+
+    from bench.photos import photo_set
+    from client.samples import sample_photos
+
+    paths = photo_set("12mp", tmp_path)
+    assert [p.stem for p in paths] == [p.stem for p in sample_photos()]
+    for path, source in zip(paths, sample_photos()):
+        assert path.parent == tmp_path / "photos" / "12mp"
+        with Image.open(source) as original, Image.open(path) as image:
+            portrait = original.height > original.width
+            assert image.format == "JPEG" and image.mode == "RGB"
+            assert image.size == ((3000, 4000) if portrait else (4000, 3000))
+            image.load()  # decodes whole
+    written = paths[0].stat().st_mtime_ns
+    paths[1].unlink()
+    again = photo_set("12mp", tmp_path)
+    assert again == paths and paths[1].is_file() and paths[0].stat().st_mtime_ns == written  # only the missing one
+
+
+def test_concurrent_executions_follow_the_rate_limiter():
+    """Instances that each ask for all of a rate-limiter resource run one at a time; without one, all run."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from bench.pipeline_config import concurrent_executions
+
+    def config(groups: str):
+        return text_format.Parse(groups, model_config_pb2.ModelConfig())
+
+    shared = 'instance_group [{ count: 2, rate_limiter { resources [{ name: "cores", count: 2 }] } }]'
+    assert concurrent_executions(config(shared)) == 1
+    assert concurrent_executions(config("instance_group [{ count: 2 }, { count: 1 }]")) == 3
+    mixed = ('instance_group [{ count: 2, rate_limiter { resources [{ name: "cores", count: 1 }] } }, '
+             '{ count: 1, rate_limiter { resources [{ name: "cores", count: 2 }] } }]')
+    assert concurrent_executions(config(mixed)) == 2  # 2 available: the two asking for 1 fit together
+
+
+def test_inprocess_pipeline_on_two_photos_uses_the_variants_runtime():
+    import math
+
+    from bench.pipeline_config import config_parameters, instance_count, variant_config
+    from bench.pipeline_inprocess import PipelineTwin
+    from client.samples import sample_photos
+    from export.artifacts import ONNX_PATH, PREPROCESS_MODEL, runtimes
+
+    twin = PipelineTwin("default")
+    network = variant_config(ONNX_MODEL, "default")
+    assert twin.spec == runtimes().RuntimeSpec.from_parameters(config_parameters(network), ONNX_PATH.parent)
+    assert twin.spec.allow_spinning is False  # config.pbtxt's allow_spinning "0" reached the runtime
+    assert twin.batch_size == network.max_batch_size
+    assert twin.decode_threads == instance_count(variant_config(PREPROCESS_MODEL, "default"))
+    photos = [p.read_bytes() for p in sample_photos(("rocket.jpg", "chelsea.png"))]
+    result = twin.measure(photos, saturation_s=1.0, batch1_s=0.5)
+    assert result["saturation_img_per_s"] > 0 and math.isfinite(result["saturation_img_per_s"])
+    assert result["saturation_batches"] >= 3 and result["batch1_images"] >= 20
+    assert 0 < result["batch1_p50_ms"] <= result["batch1_p99_ms"] < math.inf
+
+
+def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on_both_steps(
+        triton_server, tmp_path):
+    """12 photos as BYTES requests at concurrency 2: perf_analyzer sent 12, and the statistics extension
+    counted exactly 12 inferences on the ensemble and on each step, in the batches it reports."""
+    import re
+
+    from bench.photos import write_input_data
+    from bench.pipeline import STEP_MODELS, measure_pipeline_level
+    from client.samples import sample_photos
+
+    data = write_input_data(sample_photos(("rocket.jpg", "chelsea.png")), tmp_path / "input.json")
+    load = LoadSpec("concurrency", (2,), request_count=12, input_data=data, profile_export=False)
+    row = measure_pipeline_level(triton_server, load, 2, tmp_path / "c2", "grpc")
+    log = (tmp_path / "c2" / "perf_analyzer.log").read_text()
+    assert re.search(r"Client:\s+Request count: 12\b", log), log
+    assert row["throughput"] > 0 and 0 < row["p50_us"] <= row["p99_us"]
+    for model in ("resnet18", *STEP_MODELS):
+        steps = row["steps"][model]
+        assert steps["inference_count"] == 12, (model, steps)
+        if model != "resnet18":
+            assert sum(size * count for size, count in steps["batch_executions"].items()) == 12
+            assert steps["compute_infer_us"] > 0 and steps["average_batch"] >= 1
+
+
+def test_pipeline_report_and_targets_from_a_summary(tmp_path):
+    """report.md and both plots from a summary with only the end-to-end part (--skip-tensor-sweeps);
+    the targets take the fastest variant."""
+    import json
+
+    from bench.pipeline import pipeline_targets, summarize_protocol
+    from bench.report import write_report
+
+    def level(c, img_per_s, p50_ms):
+        step = {"queue_us": 1000.0 * c, "compute_infer_us": 8000.0, "average_batch": min(c, 4), "inference_count": 9}
+        return {"level": c, "throughput": img_per_s, "p50_us": p50_ms * 1e3, "p99_us": p50_ms * 2e3,
+                "steps": {"resnet18": step, "preprocess": step, "resnet18_onnx": step}, "cpu_utilization": 0.9}
+
+    def variant(name, scale):
+        entries = []
+        for photos, rate in (("sample", 120.0), ("12mp", 70.0)):
+            inproc = {"saturation_img_per_s": rate * scale * 1.05, "saturation_batches": 9,
+                      "batch1_p50_ms": 10.0, "batch1_p99_ms": 12.0, "batch1_images": 50}
+            rows = [level(1, 60.0, 13.0), level(16, rate * scale, 150.0)]
+            entries.append({"photos": photos, "inprocess_before": inproc, "inprocess_after": inproc,
+                            "inprocess": inproc, "protocols": [{"protocol": "grpc", "concurrency": rows,
+                                                                **summarize_protocol(rows, inproc)}]})
+        twin = {"variant": name, "model_file": "model.onnx", "runtime": "onnxruntime", "intra_op_threads": 0,
+                "allow_spinning": False, "precision": "f32", "batch_size": 16, "decode_threads": 3,
+                "network_workers": 1}
+        return {"variant": name, "triton_version": "2.51.0", "inprocess_twin": twin, "photo_sets": entries}
+
+    pipeline = {"options": {"request_window_s": 2.5, "measurement_ms": 2500},
+                "photo_sets": {"sample": [{"file": "a.png", "bytes": 1000}],
+                               "12mp": [{"file": "a.jpg", "bytes": 9000}]},
+                "variants": [variant("default", 0.5), variant("int8", 1.0)], "elapsed_s": 1.0}
+    pipeline["targets"] = targets = pipeline_targets(pipeline)
+    assert [t["met"] for t in targets] == [True, True, True, True, True]
+    assert "int8" in targets[0]["measured"] and "120.0 img/s" in targets[0]["measured"]
+    assert "+3.0 ms" in targets[3]["measured"]
+    machine = {"triton_version": "2.51.0", "cpu": "test", "cores": 2, "gpu": None, "python": "3", "onnxruntime": "1",
+               "torch": "2", "cpu_during_run": {"busy": 0.5, "steal": 0.0}}
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "command": "python -m bench --skip-tensor-sweeps", "started_utc": "now", "elapsed_s": 1.0, "model": ONNX_MODEL,
+        "machine": machine, "configs": [], "inprocess": [], "targets": [], "pipeline": pipeline}))
+    report = write_report(tmp_path).read_text()
+    assert "| int8 | 12mp | grpc | 16 | 70.0 | 150.0 | 300.0 | 16.0 | 8.0 | 4.0 | 16.0 | 8.0 | 4.0 | 90% |" in report
+    assert "Tensor sweeps" not in report
+    assert (tmp_path / "pipeline_throughput.png").stat().st_size > 0 and (tmp_path / "pipeline_steps.png").exists()

@@ -435,7 +435,9 @@ def test_hpa_target_follows_the_batching_of_the_configs_the_overlay_loads(path):
         if config.platform == "ensemble":
             continue
         batching = config.dynamic_batching
-        assert target == max(batching.preferred_batch_size) == config.max_batch_size, model
+        assert target == config.max_batch_size, model
+        if model != PREPROCESS_MODEL:  # preprocess sends each request to a free instance (preferred [1])
+            assert target == max(batching.preferred_batch_size), model
         assert 4 * target <= batching.default_queue_policy.max_queue_size, model
 
 
