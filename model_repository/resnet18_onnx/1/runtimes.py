@@ -86,13 +86,17 @@ def _openvino(spec: RuntimeSpec) -> Runner:
 
 
 def _torchscript(spec: RuntimeSpec) -> Runner:
+    import os
+
     import torch
 
-    if spec.threads > 0:
-        torch.set_num_threads(spec.threads)
+    # torch's intra-op thread count is one setting per process: each run sets its own, so two runners
+    # with different counts in one process (in-process comparisons) do not change each other's.
+    threads = spec.threads or len(os.sched_getaffinity(0))
     module = torch.jit.load(str(spec.path), map_location="cpu").eval()
 
     def run(batch: np.ndarray) -> np.ndarray:
+        torch.set_num_threads(threads)
         with torch.inference_mode():
             return module(torch.from_numpy(batch)).numpy()
     return run
