@@ -1,0 +1,90 @@
+"""The INT8 model: calibration and agreement recorded in provenance, the runtimes that serve it, and the
+agreement measure itself. With this repository's random-init weights the logits are nearly flat, so a
+small change can flip the top-1 class: the tests bound the top-5 overlap and check every figure is
+recorded; only a user with real weights can check top-1 accuracy (README "Accuracy and agreement")."""
+import json
+
+import numpy as np
+import pytest
+
+from bench.lone_client import latency_summary_ms
+from client.samples import SAMPLE_PHOTO_NAMES, sample_photos
+from export import artifacts
+from export import resnet18 as r18
+from export.__main__ import main as export_main
+from export.quantize import agreement, calibration_batch
+
+runtimes = artifacts.runtimes()
+
+
+def test_agreement_on_crafted_logits():
+    reference = np.array([[5.0, 4, 3, 2, 1, 0], [0, 1, 2, 3, 4, 5]])
+    same_order = reference * 2.0  # same ranking, logits differ by up to 5
+    result = agreement(reference, same_order)
+    assert (result.top1_agreement, result.top5_overlap, result.max_abs_logit_diff, result.inputs) == (1.0, 1.0, 5.0, 2)
+    swapped = reference.copy()
+    swapped[0, [0, 5]] = swapped[0, [5, 0]]  # row 0: top-1 becomes class 5, class 0 leaves the top 5
+    result = agreement(reference, swapped)
+    assert result.top1_agreement == 0.5 and result.top5_overlap == pytest.approx((4 / 5 + 1) / 2)
+    with pytest.raises(ValueError, match="shapes"):
+        agreement(reference, reference[:1])
+
+
+def test_provenance_records_the_calibration_set_and_the_agreement():
+    record = json.loads(artifacts.PROVENANCE_PATHS[0].read_text())["int8"]
+    assert record["quantization"]["format"] == "QDQ" and "per channel" in record["quantization"]["weights"]
+    calibration = record["calibration"]
+    assert calibration["source"] == "sample photos" and sorted(calibration["files"]) == sorted(SAMPLE_PHOTO_NAMES)
+    assert calibration["inputs"] == 2 * len(SAMPLE_PHOTO_NAMES)
+    for figures in record["agreement_vs_fp32"].values():
+        assert 0 <= figures["top1_agreement"] <= 1 and 0 <= figures["top5_overlap"] <= 1
+        assert figures["max_abs_logit_diff"] > 0  # INT8 is not FP32: a zero would mean the same model
+    digests = json.loads(artifacts.PROVENANCE_PATHS[0].read_text())["sha256"]
+    assert digests["resnet18_onnx/1/model.int8.onnx"] == r18.sha256(artifacts.ONNX_INT8_PATH)
+
+
+@pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
+def test_int8_model_keeps_the_fp32_top5_on_real_photos(runtime):
+    batch = calibration_batch(sample_photos())
+    fp32 = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_PATH))(batch)
+    int8 = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_INT8_PATH, runtime, threads=1))(batch)
+    result = agreement(fp32, int8)
+    assert result.top5_overlap >= 0.8, result  # measured 1.0 on these inputs with both runtimes
+    assert result.max_abs_logit_diff < 0.5 * np.abs(fp32).max(), result
+
+
+def test_every_runtime_of_the_fp32_network_agrees_with_onnxruntime():
+    batch = r18.parity_batch(2)
+    reference = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_PATH))(batch)
+    openvino = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_PATH, "openvino", threads=1))(batch)
+    torchscript = runtimes.load(runtimes.RuntimeSpec(artifacts.TORCHSCRIPT_PATH, "torchscript", threads=1))(batch)
+    np.testing.assert_allclose(openvino, reference, atol=1e-3)
+    np.testing.assert_allclose(torchscript, reference, atol=1e-3)
+
+
+def test_runtime_spec_from_config_parameters():
+    spec = runtimes.RuntimeSpec.from_parameters(
+        {"model_filename": "model.int8.onnx", "runtime": "openvino", "intra_op_threads": "1",
+         "allow_spinning": "0"}, artifacts.ONNX_PATH.parent)
+    assert (spec.path, spec.runtime, spec.threads, spec.allow_spinning) == (artifacts.ONNX_INT8_PATH, "openvino", 1, False)
+    assert runtimes.RuntimeSpec.from_parameters({"model_filename": "model.pt"}, artifacts.ONNX_PATH.parent).runtime == \
+        "torchscript"
+    with pytest.raises(ValueError, match="unknown runtime 'tensorrt'"):
+        runtimes.RuntimeSpec.from_parameters({"model_filename": "model.onnx", "runtime": "tensorrt"}, ".")
+    with pytest.raises(ValueError, match="unknown precision"):
+        runtimes.RuntimeSpec.from_parameters({"model_filename": "model.onnx", "precision": "fp8"}, ".")
+
+
+def test_export_refuses_a_missing_or_empty_calibration_folder_in_one_line(tmp_path, capsys):
+    assert export_main(["--calibration-dir", str(tmp_path / "missing")]) == 2
+    assert export_main(["--calibration-dir", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"export: --calibration-dir: not a folder: {tmp_path / 'missing'}",
+                     f"export: --calibration-dir: no image files (.jpg, .jpeg, .png, .bmp, .gif, .tif, .tiff, "
+                     f".webp, .ppm) under {tmp_path}"]
+
+
+def test_lone_client_summary_counts_stalls():
+    summary = latency_summary_ms(np.array([10.0] * 98 + [250.0, 530.0]))
+    assert summary["requests"] == 100 and summary["over_200_ms"] == 2 and summary["max_ms"] == 530.0
+    assert summary["p50_ms"] == 10.0 and summary["p99_ms"] > 250.0
