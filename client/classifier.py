@@ -45,6 +45,25 @@ from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL
 
 PROTOCOLS = ("http", "grpc")
 DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
+
+
+def host_port(url: str, protocol: str) -> str:
+    """The "host:port" tritonclient takes, from what a user gives: "host:port", or a URL whose scheme is
+    the protocol's ("http://127.0.0.1:8000", "grpc://127.0.0.1:8001"). Raises ValueError naming the problem:
+    another scheme (https needs TLS options this client does not set), a path, no port."""
+    import urllib.parse
+
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"//{url}")
+    if parsed.scheme and parsed.scheme != protocol:
+        raise ValueError(f"URL {url!r}: scheme {parsed.scheme}:// does not match the protocol {protocol} "
+                         f"(give host:port)")
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.path.strip("/") or parsed.query or not parsed.hostname or port is None:
+        raise ValueError(f"URL {url!r}: give host:port, e.g. {DEFAULT_URLS[protocol]}")
+    return parsed.netloc
 IMAGE_INPUT = "image"     # ensemble input: BYTES [N, 1], one encoded image per row
 TENSOR_INPUT = "input"    # ResNet-18 input: FP32 [N, 3, 224, 224]
 LOGITS_OUTPUT = "logits"  # FP32 [N, 1000]
@@ -141,7 +160,7 @@ class _ClientBase:
                  retry: RetryPolicy = RetryPolicy(), shared_memory: bool = False,
                  connection_timeout_s: float = 10.0):
         self.protocol = protocol
-        self.url = url or DEFAULT_URLS[protocol]
+        self.url = host_port(url or DEFAULT_URLS[protocol], protocol)  # ValueError before any connection
         self.retry_policy = retry
         self.shared_memory = shared_memory
         self.connection_timeout_s = connection_timeout_s
@@ -219,7 +238,8 @@ def _metadata_json(metadata: dict) -> dict:
 class TritonClassifierClient(_ClientBase):
     """Blocking client for the `resnet18` ensemble and the ResNet-18 models.
 
-    url: "host:port", no scheme (default 127.0.0.1:8000 for http, :8001 for grpc).
+    url: "host:port" (default 127.0.0.1:8000 for http, :8001 for grpc), or a URL with the protocol's
+        scheme ("http://host:port"); ValueError for anything else (see host_port).
     protocol: "http" or "grpc".
     retry: backoff and default deadline (`deadline_s`) of each call.
     shared_memory: pass `infer_tensor`'s input and output through system shared memory.

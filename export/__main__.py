@@ -116,7 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export: --calibration-dir: {exc}", file=sys.stderr)
         return 2
     calibration_source = str(args.calibration_dir.resolve()) if args.calibration_dir else "sample photos"
-    model, source = r18.load_model(args.weights, args.seed, allow_download=not args.offline)
+    if args.weights is not None and not args.weights.is_file():
+        print(f"export: --weights: no such file: {args.weights}", file=sys.stderr)
+        return 2
+    try:
+        model, source = r18.load_model(args.weights, args.seed, allow_download=not args.offline)
+    except Exception as exc:  # torch.load / load_state_dict: not a ResNet-18 state dict
+        print(f"export: --weights {args.weights}: not a ResNet-18 state dict: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+        return 2
     print(f"export: weights {source.spec}")
     with atomic_path(artifacts.ONNX_PATH) as onnx_tmp, atomic_path(artifacts.TORCHSCRIPT_PATH) as ts_tmp:
         r18.export_onnx(model, onnx_tmp)

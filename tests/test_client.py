@@ -241,3 +241,26 @@ def test_cli_exits_2_when_the_model_is_not_ready(triton_server):
     result = run_cli("--url", triton_server.config.http_url, "--model", "no_such_model",
                      str(sample_photos()[0]))
     assert result.returncode == 2 and "not ready" in result.stderr
+
+
+@pytest.mark.parametrize("url,message", [
+    ("https://127.0.0.1:8000", "scheme https:// does not match the protocol http"),
+    ("127.0.0.1", "give host:port"),
+    ("127.0.0.1:8000/v2", "give host:port"),
+])
+def test_classify_refuses_a_bad_url_in_one_line(url, message, capsys):
+    from client.classify import main as classify_main
+    from client.samples import sample_photos
+
+    assert classify_main(["--url", url, str(sample_photos()[0])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_a_url_with_the_protocols_scheme_is_accepted(triton_server):
+    from client.classifier import TritonClassifierClient, host_port
+
+    assert host_port("http://127.0.0.1:8000/", "http") == "127.0.0.1:8000"
+    assert host_port("grpc://[::1]:8001", "grpc") == "[::1]:8001"
+    with TritonClassifierClient("http://" + triton_server.config.http_url, "http") as client:
+        assert client.is_server_ready()

@@ -88,3 +88,15 @@ def test_lone_client_summary_counts_stalls():
     summary = latency_summary_ms(np.array([10.0] * 98 + [250.0, 530.0]))
     assert summary["requests"] == 100 and summary["over_200_ms"] == 2 and summary["max_ms"] == 530.0
     assert summary["p50_ms"] == 10.0 and summary["p99_ms"] > 250.0
+
+
+def test_export_refuses_missing_or_foreign_weights_in_one_line(tmp_path, capsys):
+    assert export_main(["--weights", str(tmp_path / "missing.pth")]) == 2
+    foreign = tmp_path / "foreign.pth"
+    import torch
+    torch.save({"not_a_layer": torch.zeros(1)}, foreign)
+    assert export_main(["--weights", str(foreign)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == f"export: --weights: no such file: {tmp_path / 'missing.pth'}"
+    assert lines[1].startswith(f"export: --weights {foreign}: not a ResNet-18 state dict: RuntimeError")
+    assert len(lines) == 2
