@@ -79,9 +79,11 @@ def json_line(path: Path, result: list[Prediction] | Exception) -> str:
         {"label": p.label, "class_index": p.class_index, "score": p.score} for p in result]})
 
 
-def format_predictions(path: Path, predictions: list[Prediction]) -> str:
+def format_predictions(path: Path, predictions: list[Prediction], mark: str = "") -> str:
+    """The file name, then one line per prediction: rank, label, logit, class index, and `mark` (e.g.
+    "[random weights]") after each."""
     lines = [f"{path}"]
-    lines += [f"  {rank}. {p.label:<30} logit {p.score:8.3f}  (class {p.class_index})"
+    lines += [f"  {rank}. {p.label:<30} logit {p.score:8.3f}  (class {p.class_index}){' ' + mark if mark else ''}"
               for rank, p in enumerate(predictions, 1)]
     return "\n".join(lines)
 

@@ -74,6 +74,7 @@ def provenance(source: r18.WeightsSource, diffs: dict[str, float], int8: dict) -
     return {
         "weights": source.spec,
         "weights_meaningful": source.meaningful,
+        "weights_unavailable_reason": source.reason,
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
                      "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in artifacts.GENERATED:
         print(f"export: wrote {path.relative_to(artifacts.REPO_ROOT)} ({path.stat().st_size:,} bytes)")
     if not source.meaningful:
-        r18.warn_random_weights(args.seed)
+        r18.warn_random_weights(args.seed, source.reason)
     return 0
 
 

@@ -40,6 +40,7 @@ class WeightsSource:
 
     spec: str         # "torchvision:IMAGENET1K_V1", "file:<path>" or "random:<seed>"
     meaningful: bool  # False for a random init: predictions are noise
+    reason: str = ""  # why the ImageNet weights were not used, for a random init (one line)
 
 
 def load_model(weights_file: Path | None = None, seed: int = 0, allow_download: bool = True,
@@ -52,6 +53,7 @@ def load_model(weights_file: Path | None = None, seed: int = 0, allow_download: 
         model = torchvision.models.resnet18(weights=None)
         model.load_state_dict(torch.load(weights_file, map_location="cpu", weights_only=True))
         return model.eval(), WeightsSource(f"file:{Path(weights_file).resolve()}", True)
+    reason = "download not attempted (--offline) and none in the torch hub cache"
     if allow_download:
         previous = socket.getdefaulttimeout()
         socket.setdefaulttimeout(download_timeout_s)
@@ -59,11 +61,12 @@ def load_model(weights_file: Path | None = None, seed: int = 0, allow_download: 
             model = torchvision.models.resnet18(weights=IMAGENET_WEIGHTS)
             return model.eval(), WeightsSource(f"torchvision:{IMAGENET_WEIGHTS.name}", True)
         except Exception as exc:  # offline, proxy, partial download: fall back below
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
             log.debug("IMAGENET1K_V1 weights unavailable: %r", exc)
         finally:
             socket.setdefaulttimeout(previous)
-    warn_random_weights(seed)
-    return random_model(seed), WeightsSource(f"random:{seed}", False)
+    warn_random_weights(seed, reason)
+    return random_model(seed), WeightsSource(f"random:{seed}", False, reason)
 
 
 def random_model(seed: int) -> torch.nn.Module:
@@ -84,10 +87,12 @@ def model_from_spec(spec: str) -> torch.nn.Module:
     raise ValueError(f"unknown weights spec {spec!r}")
 
 
-def warn_random_weights(seed: int) -> None:
+def warn_random_weights(seed: int, reason: str = "") -> None:
+    """The loud warning printed when the export falls back to a random init (stderr)."""
     bar = "!" * 78
     print(f"\n{bar}\n"
           f"WARNING: torchvision's IMAGENET1K_V1 weights could not be loaded (no cache, no download).\n"
+          + (f"         Reason: {reason}\n" if reason else "") +
           f"         Exporting a RANDOMLY INITIALIZED ResNet-18 (seed {seed}): every prediction of this\n"
           f"         server is MEANINGLESS. For real predictions put resnet18-f37072fd.pth in\n"
           f"         {Path(torch.hub.get_dir()) / 'checkpoints'} or pass --weights FILE.\n"

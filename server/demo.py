@@ -30,7 +30,14 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     ensure_exported()
-    weights = json.loads(PROVENANCE_PATHS[0].read_text())["weights"]
+    provenance = json.loads(PROVENANCE_PATHS[0].read_text())
+    weights = provenance["weights"]
+    random_weights = weights.startswith("random:")
+    if random_weights:  # said first, before any label is printed
+        reason = provenance.get("weights_unavailable_reason") or "not recorded"
+        print(f"demo: NOTE the model's weights are a seeded RANDOM init ({weights}): ImageNet weights were not "
+              f"available\n      (reason: {reason}).\n      Every label below is meaningless and marked "
+              f"[random weights]; see README 'Weights'.", flush=True)
 
     photos = sample_photos()
     failures = 0
@@ -49,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                     failures += 1
                     print(f"{path.name}: ERROR {result}")
                 else:
-                    print(format_predictions(path.name, result))
+                    print(format_predictions(path.name, result, "[random weights]" if random_weights else ""))
         print("\n=== dynamic batching (metrics endpoint, this demo's requests) ===")
         for model in (PREPROCESS_MODEL, ONNX_MODEL):
             after = model_counters(config.metrics_url, model)
@@ -59,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"executions {delta['nv_inference_exec_count']:.0f}, "
                   f"average batch {average_batch_size(delta):.2f}")
         print("\ndemo: stopping the server")
-    if weights.startswith("random:"):
-        print("\ndemo: NOTE the weights are a seeded RANDOM init (ImageNet weights were not available "
-              "offline),\n      so the labels above are meaningless; see README 'Weights'.")
+    if random_weights:
+        print("\ndemo: NOTE the weights are a seeded RANDOM init, so the labels above are meaningless; "
+              "see README 'Weights'.")
     return 1 if failures else 0
 
 

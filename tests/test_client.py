@@ -264,3 +264,13 @@ def test_a_url_with_the_protocols_scheme_is_accepted(triton_server):
     assert host_port("grpc://[::1]:8001", "grpc") == "[::1]:8001"
     with TritonClassifierClient("http://" + triton_server.config.http_url, "http") as client:
         assert client.is_server_ready()
+
+
+def test_printed_predictions_carry_the_random_weights_mark():
+    from client.classifier import Prediction
+    from client.classify import format_predictions
+
+    predictions = [Prediction(score=2.5, class_index=281, label="tabby")]
+    marked = format_predictions("cat.png", predictions, "[random weights]").splitlines()
+    assert marked == ["cat.png", "  1. tabby                          logit    2.500  (class 281) [random weights]"]
+    assert "random" not in format_predictions("cat.png", predictions)

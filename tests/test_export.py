@@ -40,6 +40,8 @@ def test_provenance_records_source_versions_and_hashes():
     record = records[0]
     assert record["weights"].split(":")[0] in ("torchvision", "file", "random")
     assert record["weights_meaningful"] == (not record["weights"].startswith("random:"))
+    if not record["weights_meaningful"]:  # the reason is recorded, so the demo can say it first
+        assert record["weights_unavailable_reason"]
     assert record["versions"]["torch"] == torch.__version__
     assert record["versions"]["torchvision"] == torchvision.__version__
     for relative, digest in record["sha256"].items():
