@@ -42,7 +42,7 @@ from bench import inprocess
 from bench.machine import cpu_share, cpu_ticks, machine_info
 from bench.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
 from bench.pipeline import pipeline_options, print_targets, run_pipeline
-from bench.pipeline_config import served_config, variant_config
+from bench.pipeline_config import instance_count, served_config, variant_config
 from bench.report import saturation_row, write_report
 from bench.server_stats import CpuSampler, model_statistics, statistics_delta
 from client.classifier import TritonClassifierClient
@@ -63,7 +63,7 @@ def local_batching(model: str, name: str) -> tuple[int, int, int]:
     """(max_batch_size, max_queue_size, instances) of config `name` as written in the model repository."""
     config = variant_config(model, name)
     return (config.max_batch_size, config.dynamic_batching.default_queue_policy.max_queue_size,
-            sum(g.count for g in config.instance_group))
+            instance_count(config))
 
 
 def measure_level(server: EmbeddedTritonServer, model: str, load: LoadSpec, level: float, out_dir: Path,
