@@ -41,29 +41,9 @@ from client.backoff import Deadline, RetryPolicy
 from client.errors import (DeadlineExceededError, InferenceError, QueueFullError, ServerUnavailableError,
                            from_triton)
 from client.shared_memory import TensorRegions
+from client.urls import DEFAULT_URLS, PROTOCOLS, host_port  # noqa: F401 (re-exported for the CLIs)
 from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL
 
-PROTOCOLS = ("http", "grpc")
-DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
-
-
-def host_port(url: str, protocol: str) -> str:
-    """The "host:port" tritonclient takes, from what a user gives: "host:port", or a URL whose scheme is
-    the protocol's ("http://127.0.0.1:8000", "grpc://127.0.0.1:8001"). Raises ValueError naming the problem:
-    another scheme (https needs TLS options this client does not set), a path, no port."""
-    import urllib.parse
-
-    parsed = urllib.parse.urlsplit(url if "://" in url else f"//{url}")
-    if parsed.scheme and parsed.scheme != protocol:
-        raise ValueError(f"URL {url!r}: scheme {parsed.scheme}:// does not match the protocol {protocol} "
-                         f"(give host:port)")
-    try:
-        port = parsed.port
-    except ValueError:
-        port = None
-    if parsed.path.strip("/") or parsed.query or not parsed.hostname or port is None:
-        raise ValueError(f"URL {url!r}: give host:port, e.g. {DEFAULT_URLS[protocol]}")
-    return parsed.netloc
 IMAGE_INPUT = "image"     # ensemble input: BYTES [N, 1], one encoded image per row
 TENSOR_INPUT = "input"    # ResNet-18 input: FP32 [N, 3, 224, 224]
 LOGITS_OUTPUT = "logits"  # FP32 [N, 1000]

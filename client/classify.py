@@ -98,7 +98,7 @@ def check_server(url: str, protocol: str, model: str) -> str | None:
                 return f"model '{model}' is not ready on the Triton server at {url} ({protocol})"
     except InferenceError as exc:
         return f"cannot reach a Triton server at {url} ({protocol}): {exc.message}"
-    except ValueError as exc:  # client.classifier.host_port: not a host:port
+    except ValueError as exc:  # client.urls.host_port: not a host:port
         return f"--url: {exc}"
     return None
 

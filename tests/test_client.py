@@ -258,7 +258,8 @@ def test_classify_refuses_a_bad_url_in_one_line(url, message, capsys):
 
 
 def test_a_url_with_the_protocols_scheme_is_accepted(triton_server):
-    from client.classifier import TritonClassifierClient, host_port
+    from client.classifier import TritonClassifierClient
+    from client.urls import host_port
 
     assert host_port("http://127.0.0.1:8000/", "http") == "127.0.0.1:8000"
     assert host_port("grpc://[::1]:8001", "grpc") == "[::1]:8001"
