@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from client.samples import HELD_OUT_PHOTO_NAMES, sample_photos
-
 from export import artifacts
 from export import quantize
 from export import resnet18 as r18
@@ -111,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.if_missing and not artifacts.missing_artifacts():
         print("export: artifacts present, nothing to do (run without --if-missing to re-export)")
         return 0
-    try:
+    try:  # decoded before anything is written, so a bad calibration image leaves the repository as it was
         calibration = (quantize.image_files(args.calibration_dir) if args.calibration_dir else sample_photos())
-    except FileNotFoundError as exc:
+        calibration_inputs = quantize.calibration_batch(calibration)
+    except (FileNotFoundError, artifacts.image_transform().ImageDecodeError) as exc:
         print(f"export: --calibration-dir: {exc}", file=sys.stderr)
         return 2
     calibration_source = str(args.calibration_dir.resolve()) if args.calibration_dir else "sample photos"
@@ -139,12 +139,9 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
           + f" (bound {r18.PARITY_ATOL} + {r18.PARITY_RTOL}*|eager|)")
     held_out = quantize.calibration_batch(sample_photos(HELD_OUT_PHOTO_NAMES))
-    try:
-        with atomic_path(artifacts.ONNX_INT8_PATH) as int8_tmp:
-            int8 = quantize.export_int8(artifacts.ONNX_PATH, int8_tmp, calibration, calibration_source, held_out)
-    except ValueError as exc:  # image_transform.ImageDecodeError: a calibration file that does not decode
-        print(f"export: --calibration-dir: {exc}", file=sys.stderr)
-        return 2
+    with atomic_path(artifacts.ONNX_INT8_PATH) as int8_tmp:
+        int8 = quantize.export_int8(artifacts.ONNX_PATH, int8_tmp, calibration, calibration_inputs,
+                                    calibration_source, held_out)
     for name, figures in int8["agreement_vs_fp32"].items():
         print(f"export: INT8 vs FP32 on {figures['inputs']} {name.replace('_', ' ')}: top-1 agreement "
               f"{figures['top1_agreement']:.3f}, top-5 overlap {figures['top5_overlap']:.3f}, "

@@ -125,11 +125,11 @@ def calibration_record(paths: list[Path], source: str) -> dict:
             "files": {Path(p).name: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}}
 
 
-def export_int8(fp32_path: Path, int8_path: Path, calibration: list[Path], source: str,
+def export_int8(fp32_path: Path, int8_path: Path, calibration: list[Path], batch: np.ndarray, source: str,
                 evaluation: np.ndarray) -> dict:
-    """Quantize, then compare the INT8 model with the FP32 one on the calibration inputs and on
-    `evaluation` (FP32 [M,3,224,224] inputs not used for calibration). Returns the provenance record."""
-    batch = calibration_batch(calibration)
+    """Quantize on `batch` (calibration_batch(calibration): FP32 [2N,3,224,224]), then compare the INT8
+    model with the FP32 one on those inputs and on `evaluation` (FP32 [M,3,224,224] inputs not used for
+    calibration). Returns the provenance record."""
     settings = quantize_int8(fp32_path, int8_path, batch)
     return {"quantization": settings, "calibration": calibration_record(calibration, source),
             "agreement_vs_fp32": {

@@ -84,6 +84,15 @@ def test_export_refuses_a_missing_or_empty_calibration_folder_in_one_line(tmp_pa
                      f".webp, .ppm) under {tmp_path}"]
 
 
+def test_export_refuses_a_corrupt_calibration_image_before_writing_anything(tmp_path, capsys):
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
+    written = {p: p.stat().st_mtime_ns for p in artifacts.GENERATED}
+    assert export_main(["--calibration-dir", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"export: --calibration-dir: {tmp_path / 'broken.jpg'}: not an image")
+    assert {p: p.stat().st_mtime_ns for p in artifacts.GENERATED} == written  # nothing was rewritten
+
+
 def test_lone_client_summary_counts_stalls():
     summary = latency_summary_ms(np.array([10.0] * 98 + [250.0, 530.0]))
     assert summary["requests"] == 100 and summary["over_200_ms"] == 2 and summary["max_ms"] == 530.0
