@@ -47,11 +47,15 @@ def plot_throughput(pipeline: dict, path: Path) -> None:
 
 
 def plot_steps(pipeline: dict, path: Path) -> None:
-    """Stacked bar per (variant, photo set, protocol) at its highest concurrency: per step (preprocess,
-    network) the mean queue and compute (infer) ms per request, from the statistics extension."""
+    """Stacked bar per (variant, photo set, protocol): per step (preprocess, network) the mean queue and
+    compute (infer) ms per request, from the statistics extension, every bar at the same concurrency: the
+    highest level every sweep measured (named in the title); without one, each sweep's highest level."""
+    runs = list(served_runs(pipeline))
+    common = set.intersection(*({r["level"] for r in run["concurrency"]} for _, _, run in runs)) if runs else set()
     bars = []
-    for variant, entry, run in served_runs(pipeline):
-        top = max(run["concurrency"], key=lambda r: r["level"])
+    for variant, entry, run in runs:
+        top = max((r for r in run["concurrency"] if not common or r["level"] == max(common)),
+                  key=lambda r: r["level"])
         bars.append((f"{variant['variant']}\n{entry['photos']} {run['protocol']}\nc={top['level']:g}", top["steps"]))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(bars)), 4.5))
     bottoms = [0.0] * len(bars)
@@ -61,8 +65,8 @@ def plot_steps(pipeline: dict, path: Path) -> None:
             ax.bar([label for label, _ in bars], values, bottom=bottoms, label=f"{STEP_LABELS[model]} {part}")
             bottoms = [b + v for b, v in zip(bottoms, values)]
     ax.set_ylabel("mean ms per request")
-    ax.set_title("server time per request by step, at the highest concurrency\n(statistics extension)",
-                 fontsize=10)
+    where = f"every sweep at concurrency {max(common):g}" if common else "each sweep at its highest concurrency"
+    ax.set_title(f"server time per request by step, {where}\n(statistics extension)", fontsize=10)
     ax.legend(fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()

@@ -6,6 +6,7 @@ absent with --skip-pipeline)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import matplotlib
@@ -26,7 +27,10 @@ def saturation_row(config: dict) -> dict:
     return max(config["concurrency"], key=lambda row: row["throughput"])
 
 
-def plot_throughput_vs_p99(summary: dict, path: Path) -> None:
+def throughput_vs_p99_figure(summary: dict, title: str | None = None) -> plt.Figure:
+    """infer/s (y) against p99 latency (ms, log x) of each config's concurrency sweep, one line per config,
+    each point labelled with its concurrency (perf_analyzer's figures from summary["configs"]: throughput,
+    p99_us). The caller saves and closes the figure."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for config in summary["configs"]:
         rows = sorted(config["concurrency"], key=lambda r: r["level"])
@@ -38,18 +42,53 @@ def plot_throughput_vs_p99(summary: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("p99 latency (ms, log scale); labels: concurrency")
     ax.set_ylabel("throughput (infer/s)")
-    ax.set_title(f"{summary['model']}: throughput vs p99 latency per config")
+    ax.set_title(title or f"{summary['model']}: throughput vs p99 latency per config")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_throughput_vs_p99(summary: dict, path: Path) -> None:
+    """`throughput_vs_p99_figure` as a PNG at `path`."""
+    fig = throughput_vs_p99_figure(summary)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_latency_breakdown(summary: dict, path: Path) -> None:
+#: The latency breakdown compares configs at one concurrency: the common level nearest this one (the
+#: full sweeps all hold 1..32); without a level every config was measured at (--quick), each config's
+#: level nearest it (log scale), written on its bar.
+BREAKDOWN_TARGET_LEVEL = 32
+
+
+def breakdown_levels(configs: list[dict], target: float = BREAKDOWN_TARGET_LEVEL) -> tuple[dict[str, float], bool]:
+    """The concurrency each config's breakdown bar is drawn at: ({config name: level}, common).
+
+    common is True when one level was measured for every config (then every name maps to it: the
+    common level nearest `target`); otherwise each config gets its own level nearest `target`. "Nearest"
+    is by ratio (|log(level / target)|), ties to the higher level."""
+    def nearest(levels):
+        return min(levels, key=lambda level: (abs(math.log(level / target)), -level))
+
+    measured = [{row["level"] for row in c["concurrency"]} for c in configs]
+    common = set.intersection(*measured) if measured else set()
+    if common:
+        level = nearest(common)
+        return {c["name"]: level for c in configs}, True
+    return {c["name"]: nearest(levels) for c, levels in zip(configs, measured)}, False
+
+
+def latency_breakdown_figure(summary: dict, target: float = BREAKDOWN_TARGET_LEVEL) -> plt.Figure:
+    """Stacked bars, one per config: perf_analyzer's mean latency per request split into BREAKDOWN's
+    parts (ms), every config at the same concurrency (`breakdown_levels`, named in the title), or,
+    when no level is common to all, each at its level nearest `target`, labelled on its bar. The
+    caller saves and closes the figure."""
+    configs = summary["configs"]
+    levels, common = breakdown_levels(configs, target)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = [c["name"] for c in summary["configs"]]
-    rows = [saturation_row(c) for c in summary["configs"]]
+    names = [c["name"] for c in configs]
+    rows = [next(r for r in c["concurrency"] if r["level"] == levels[c["name"]]) for c in configs]
     bottoms = [0.0] * len(rows)
     for key, label in BREAKDOWN:
         values = [row[key] / 1000 for row in rows]
@@ -59,26 +98,48 @@ def plot_latency_breakdown(summary: dict, path: Path) -> None:
         ax.annotate(f"c={row['level']:g}", (i, bottoms[i]), ha="center", fontsize=8,
                     textcoords="offset points", xytext=(0, 3))
     ax.set_ylabel("mean latency per request (ms)")
-    ax.set_title("latency breakdown at each config's saturation point (perf_analyzer)")
+    where = (f"every config at concurrency {rows[0]['level']:g}" if common else
+             f"no concurrency common to all configs: each at its level nearest {target:g} (c= on the bar)")
+    ax.set_title(f"latency breakdown per config (perf_analyzer)\n{where}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_latency_breakdown(summary: dict, path: Path, target: float = BREAKDOWN_TARGET_LEVEL) -> None:
+    """`latency_breakdown_figure` as a PNG at `path`."""
+    fig = latency_breakdown_figure(summary, target)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_batch_sizes(summary: dict, path: Path) -> None:
+def batch_sizes_figure(summary: dict) -> plt.Figure:
+    """One panel per config at its saturation level: executions per batch size formed (statistics
+    extension, row["server"]["batch_executions"]). Every panel has the same bins, batch sizes 1..the
+    largest max_batch_size (or formed batch) of all configs, on one shared x axis, so the configs
+    compare at a glance. The caller saves and closes the figure."""
     configs = summary["configs"]
-    fig, axes = plt.subplots(1, len(configs), figsize=(3.2 * len(configs), 3.6), squeeze=False)
-    for ax, config in zip(axes[0], configs):
-        row = saturation_row(config)
-        histogram = {int(k): v for k, v in row["server"]["batch_executions"].items()}
-        ax.bar(list(histogram), list(histogram.values()), width=0.8)
+    rows = [saturation_row(c) for c in configs]
+    histograms = [{int(k): v for k, v in row["server"]["batch_executions"].items()} for row in rows]
+    top = max([1] + [c.get("max_batch_size") or 1 for c in configs] + [max(h, default=1) for h in histograms])
+    sizes = list(range(1, top + 1))
+    fig, axes = plt.subplots(1, len(configs), figsize=(3.2 * len(configs), 3.6), squeeze=False, sharex=True)
+    for ax, config, row, histogram in zip(axes[0], configs, rows, histograms):
+        ax.bar(sizes, [histogram.get(size, 0) for size in sizes], width=0.8)
+        ax.set_xlim(0.5, top + 0.5)
         ax.set_title(f"{config['name']} (c={row['level']:g})\naverage {row['server']['average_batch']:.1f}",
                      fontsize=9)
         ax.set_xlabel("batch size formed")
         ax.set_ylabel("executions")
-    fig.suptitle("batch sizes the dynamic batcher formed (statistics extension)", fontsize=10)
+    fig.suptitle("batch sizes the dynamic batcher formed, at each config's saturation (statistics extension)",
+                 fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_batch_sizes(summary: dict, path: Path) -> None:
+    """`batch_sizes_figure` as a PNG at `path`."""
+    fig = batch_sizes_figure(summary)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

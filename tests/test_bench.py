@@ -320,3 +320,76 @@ def test_pipeline_report_and_targets_from_a_summary(tmp_path):
     assert "| int8 | 12mp | grpc | 16 | 70.0 | 150.0 | 300.0 | 16.0 | 8.0 | 4.0 | 16.0 | 8.0 | 4.0 | 90% |" in report
     assert "Tensor sweeps" not in report
     assert (tmp_path / "pipeline_throughput.png").stat().st_size > 0 and (tmp_path / "pipeline_steps.png").exists()
+
+
+def _tensor_config(name: str, max_batch_size: int, levels: tuple[int, ...]) -> dict:
+    """A config of summary.json's "configs" (bench/__main__.py run_config): per level perf_analyzer's
+    breakdown (us), throughput rising with the level, the batch sizes the server formed."""
+    rows = []
+    for level in levels:
+        batch = min(level, max_batch_size)
+        rows.append({"level": level, "throughput": 10.0 * level, "server_queue_us": 1000.0 * level,
+                     "server_compute_input_us": 100.0, "server_compute_infer_us": 5000.0 * batch,
+                     "server_compute_output_us": 50.0, "network_us": 200.0, "client_send_us": 10.0,
+                     "client_recv_us": 5.0, "server": {"batch_executions": {str(batch): 7, "1": 2},
+                                                       "average_batch": batch * 0.9}})
+    return {"name": name, "max_batch_size": max_batch_size, "concurrency": rows}
+
+
+def test_report_batch_size_histograms_share_bins_and_x_limits():
+    """Every config's histogram panel has the bins 1..the largest max_batch_size, on one shared x axis."""
+    import matplotlib.pyplot as plt
+
+    from bench.report import batch_sizes_figure
+
+    summary = {"configs": [_tensor_config("latency", 4, (1, 2, 4, 8)), _tensor_config("throughput", 32, (1, 32, 64)),
+                           _tensor_config("no_batching", 1, (1, 16))]}
+    fig = batch_sizes_figure(summary)
+    try:
+        axes = fig.axes
+        assert len(axes) == 3
+        assert {ax.get_xlim() for ax in axes} == {(0.5, 32.5)}
+        assert all(axes[0].get_shared_x_axes().joined(axes[0], ax) for ax in axes[1:])
+        bins = [[patch.get_x() + patch.get_width() / 2 for patch in ax.patches] for ax in axes]
+        assert all(b == pytest.approx(list(range(1, 33))) for b in bins)
+        heights = {size: patch.get_height() for size, patch in zip(range(1, 33), axes[1].patches)}
+        assert heights[32] == 7 and heights[1] == 2 and sum(heights.values()) == 9  # throughput at c=64
+    finally:
+        plt.close(fig)
+
+
+def test_report_latency_breakdown_draws_every_config_at_one_concurrency():
+    """Full sweeps share 1..32: every bar at 32 (said in the title); --quick levels share none: each config's
+    level nearest 32, written on its bar."""
+    import matplotlib.pyplot as plt
+
+    from bench.report import BREAKDOWN, breakdown_levels, latency_breakdown_figure
+
+    configs = [_tensor_config("default", 16, (1, 2, 4, 8, 16, 32, 64)),
+               _tensor_config("latency", 16, (1, 2, 4, 8, 16, 32)),
+               _tensor_config("throughput", 32, (1, 2, 4, 8, 16, 32, 64, 128))]
+    assert breakdown_levels(configs) == ({"default": 32, "latency": 32, "throughput": 32}, True)
+    fig = latency_breakdown_figure({"configs": configs})
+    try:
+        ax = fig.axes[0]
+        assert "every config at concurrency 32" in ax.get_title()
+        assert [t.get_text() for t in ax.texts] == ["c=32"] * 3
+        # the stacked bars' tops are the breakdown of each config's concurrency-32 row
+        tops = [max(p.get_y() + p.get_height() for p in ax.patches if abs(p.get_x() + p.get_width() / 2 - i) < 0.01)
+                for i in range(3)]
+        row32 = [next(r for r in c["concurrency"] if r["level"] == 32) for c in configs]
+        assert tops == pytest.approx([sum(r[key] for key, _ in BREAKDOWN) / 1000 for r in row32])
+    finally:
+        plt.close(fig)
+
+    quick = [_tensor_config("latency", 16, (1,)), _tensor_config("throughput", 32, (64,)),
+             _tensor_config("no_batching", 16, (16,)), _tensor_config("default", 16, (1, 32))]
+    levels, common = breakdown_levels(quick)
+    assert not common and levels == {"latency": 1, "throughput": 64, "no_batching": 16, "default": 32}
+    fig = latency_breakdown_figure({"configs": quick})
+    try:
+        ax = fig.axes[0]
+        assert "no concurrency common" in ax.get_title() and "nearest 32" in ax.get_title()
+        assert [t.get_text() for t in ax.texts] == ["c=1", "c=64", "c=16", "c=32"]
+    finally:
+        plt.close(fig)
