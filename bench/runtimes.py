@@ -69,8 +69,8 @@ def measure_agreement(names: list[str]) -> dict[str, dict]:
     photos (and their mirror images), FP32 [N, 3, 224, 224] through the served transform."""
     batch = calibration_batch(sample_photos() + sample_photos(HELD_OUT_PHOTO_NAMES))
     load = artifacts.runtimes().load
-    reference = load(spec(REFERENCE, 0))(batch)
-    return {name: asdict(agreement(reference, load(spec(name, 0))(batch))) for name in names}
+    reference = load(spec(REFERENCE, 0))(batch)[0]  # [logits, probabilities]: the logits
+    return {name: asdict(agreement(reference, load(spec(name, 0))(batch)[0])) for name in names}
 
 
 def markdown(rows: list[dict], agree: dict[str, dict], batch_sizes: list[int]) -> str:

@@ -4,6 +4,7 @@ Two classes with the same methods, one blocking and one for asyncio, both over t
 
     with TritonClassifierClient("127.0.0.1:8001", protocol="grpc") as client:
         top5 = client.classify([open("cat.jpg", "rb").read()], top_k=5)  # [[Prediction, ...]]
+        top5[0][0].probability, top5[0][0].logit  # softmax probability (0..1) and raw logit
         logits = client.infer_tensor(batch)  # FP32 [N, 3, 224, 224] -> FP32 [N, 1000]
 
     async with AsyncTritonClassifierClient("127.0.0.1:8000", protocol="http") as client:
@@ -46,7 +47,8 @@ from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL
 
 IMAGE_INPUT = "image"     # ensemble input: BYTES [N, 1], one encoded image per row
 TENSOR_INPUT = "input"    # ResNet-18 input: FP32 [N, 3, 224, 224]
-LOGITS_OUTPUT = "logits"  # FP32 [N, 1000]
+LOGITS_OUTPUT = "logits"  # FP32 [N, 1000], unnormalized class scores
+PROBABILITIES_OUTPUT = "probabilities"  # FP32 [N, 1000], softmax of the logits: each row sums to 1
 IMAGE_SHAPE = (3, 224, 224)
 NUM_CLASSES = 1000
 FP32_BYTES = 4
@@ -58,18 +60,22 @@ UNREGISTER_WAIT_S = 0.05
 
 @dataclass(frozen=True)
 class Prediction:
-    """One of the top-k classes of an image (Triton's classification extension)."""
+    """One of the top-k classes of an image, from the ensemble's `probabilities` and `logits` outputs
+    (Triton's classification extension)."""
 
-    label: str        # ImageNet class name, from the model's label file
-    class_index: int  # 0..999
-    score: float      # the logit (unnormalized), as the classification extension reports it
+    label: str          # ImageNet class name, from the model's label file
+    class_index: int    # 0..999
+    probability: float  # softmax of the logits, 0..1 (all 1000 classes sum to 1)
+    logit: float        # the unnormalized score; NaN in the rare case of a tie at the k-th place that
+                        # left this class out of the logits' top k
 
 
-def parse_classification(entry: bytes | str) -> Prediction:
-    """Parse one classification-extension string "score:index:label" (e.g. b"12.5:281:tabby")."""
+def parse_classification(entry: bytes | str) -> tuple[float, int, str]:
+    """Parse one classification-extension string "score:index:label" (e.g. b"12.5:281:tabby") into
+    (score, class index, label). Raises ValueError for another format."""
     text = entry.decode() if isinstance(entry, bytes) else entry
     score, index, label = text.split(":", 2)
-    return Prediction(label=label, class_index=int(index), score=float(score))
+    return float(score), int(index), label
 
 
 def protocol_module(protocol: str, asyncio_api: bool = False):
@@ -156,7 +162,8 @@ class _ClientBase:
         array = np.array([bytes(image) for image in images], dtype=np.object_).reshape(-1, 1)
         request = self._module.InferInput(IMAGE_INPUT, list(array.shape), "BYTES")
         request.set_data_from_numpy(array)
-        return [request], [self._module.InferRequestedOutput(LOGITS_OUTPUT, class_count=top_k)]
+        return [request], [self._module.InferRequestedOutput(name, class_count=top_k)
+                           for name in (PROBABILITIES_OUTPUT, LOGITS_OUTPUT)]
 
     def _tensor_request(self, batch: np.ndarray, regions: TensorRegions | None):
         batch = np.ascontiguousarray(batch, dtype=np.float32)
@@ -173,8 +180,15 @@ class _ClientBase:
 
     @staticmethod
     def _predictions(result, count: int) -> list[list[Prediction]]:
-        entries = result.as_numpy(LOGITS_OUTPUT).reshape(count, -1)
-        return [[parse_classification(entry) for entry in row] for row in entries]
+        """Per image, its top k by probability, each with its logit from the logits' top k."""
+        rows = []
+        for by_probability, by_logit in zip(result.as_numpy(PROBABILITIES_OUTPUT).reshape(count, -1),
+                                            result.as_numpy(LOGITS_OUTPUT).reshape(count, -1)):
+            logits = {index: score for score, index, _ in map(parse_classification, by_logit)}
+            rows.append([Prediction(label=label, class_index=index, probability=score,
+                                    logit=logits.get(index, float("nan")))
+                         for score, index, label in map(parse_classification, by_probability)])
+        return rows
 
     @staticmethod
     def _logits(result, batch_size: int, regions: TensorRegions | None) -> np.ndarray:
@@ -298,7 +312,7 @@ class TritonClassifierClient(_ClientBase):
     def classify(self, images: Sequence[bytes], top_k: int = 5, model: str = ENSEMBLE_MODEL,
                  deadline_s: float | None = None) -> list[list[Prediction]]:
         """Classify encoded images (JPEG, PNG, ...) in one request; len(images) <= the model's
-        max_batch_size (16). Returns, per image, its top_k predictions, best first.
+        max_batch_size (16). Returns, per image, its top_k predictions, most probable first.
         deadline_s: time budget of the call in seconds (default: the retry policy's)."""
         return self._infer(model, lambda: self._classify_request(images, top_k),
                            lambda result: self._predictions(result, len(images)), deadline_s)

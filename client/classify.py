@@ -4,8 +4,10 @@ Sends one request per image (up to --concurrency in flight) to the `resnet18` en
 dynamic batcher forms the batches; a request refused because the queue is full is retried until
 --deadline-s. Works with any Triton server that hosts this model repository.
 
-Output: per image, its top-k labels with their logits (stdout), or with --json one JSON object per line:
-{"file": str, "predictions": [{"label": str, "class_index": int, "score": float}, ...]}, or
+Output: per image, its top-k labels with their probabilities in percent (the ensemble's softmax output)
+and logits (stdout), or with --json one JSON object per line:
+{"file": str, "predictions": [{"label": str, "class_index": int, "probability": float (0..1),
+"logit": float}, ...]}, or
 {"file": str, "error": str, "status": str | null} for an image that failed. A progress bar goes to
 stderr.
 
@@ -76,15 +78,16 @@ def json_line(path: Path, result: list[Prediction] | Exception) -> str:
     if isinstance(result, Exception):
         return json.dumps({"file": str(path), "error": str(result), "status": getattr(result, "status", None)})
     return json.dumps({"file": str(path), "predictions": [
-        {"label": p.label, "class_index": p.class_index, "score": p.score} for p in result]})
+        {"label": p.label, "class_index": p.class_index, "probability": p.probability, "logit": p.logit}
+        for p in result]})
 
 
 def format_predictions(path: Path, predictions: list[Prediction], mark: str = "") -> str:
-    """The file name, then one line per prediction: rank, label, logit, class index, and `mark` (e.g.
-    "[random weights]") after each."""
+    """The file name, then one line per prediction: rank, label, probability in percent, logit, class
+    index, and `mark` (e.g. "[random weights]") after each."""
     lines = [f"{path}"]
-    lines += [f"  {rank}. {p.label:<30} logit {p.score:8.3f}  (class {p.class_index}){' ' + mark if mark else ''}"
-              for rank, p in enumerate(predictions, 1)]
+    lines += [f"  {rank}. {p.label:<30} {100 * p.probability:6.2f} %  (logit {p.logit:7.3f}, class "
+              f"{p.class_index}){' ' + mark if mark else ''}" for rank, p in enumerate(predictions, 1)]
     return "\n".join(lines)
 
 

@@ -79,6 +79,7 @@ def provenance(source: r18.WeightsSource, diffs: dict[str, float], int8: dict) -
                      "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
                      "python": platform.python_version()},
         "onnx_opset": r18.ONNX_OPSET,
+        "outputs": list(r18.OUTPUT_NAMES),
         "parity": {"rtol": r18.PARITY_RTOL, "atol": r18.PARITY_ATOL,
                    "max_abs_diff_vs_eager": diffs, "batch_size": len(r18.parity_batch())},
         "int8": int8,
@@ -86,6 +87,15 @@ def provenance(source: r18.WeightsSource, diffs: dict[str, float], int8: dict) -
                    for p in (artifacts.ONNX_PATH, artifacts.ONNX_INT8_PATH, artifacts.TORCHSCRIPT_PATH,
                              artifacts.LABELS_PATH)},
     }
+
+
+def outdated_reason() -> str | None:
+    """Why the exported files present do not match this code (an export made before they carried every
+    output of r18.OUTPUT_NAMES), or None when they do. Reads the provenance record next to the exports."""
+    recorded = json.loads(artifacts.PROVENANCE_PATHS[0].read_text()).get("outputs", [r18.OUTPUT_NAME])
+    if recorded != list(r18.OUTPUT_NAMES):
+        return f"the exported files have outputs {recorded}, this code serves {list(r18.OUTPUT_NAMES)}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not try to download IMAGENET1K_V1 (use the hub cache or a random init)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init fallback (default 0)")
     parser.add_argument("--if-missing", action="store_true",
-                        help="do nothing when every artifact already exists")
+                        help="do nothing when every artifact already exists and matches this code's outputs")
     parser.add_argument("--calibration-dir", type=Path,
                         help="images to calibrate the INT8 model on, any Pillow format, searched recursively "
                              "(default: the sample photos; a few hundred of your own traffic's images are better)")
@@ -108,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
 
     check_labels()
     if args.if_missing and not artifacts.missing_artifacts():
-        print("export: artifacts present, nothing to do (run without --if-missing to re-export)")
-        return 0
+        reason = outdated_reason()
+        if reason is None:
+            print("export: artifacts present, nothing to do (run without --if-missing to re-export)")
+            return 0
+        print(f"export: re-exporting: {reason}")
     try:  # decoded before anything is written, so a bad calibration image leaves the repository as it was
         calibration = (quantize.image_files(args.calibration_dir) if args.calibration_dir else sample_photos())
         calibration_inputs = quantize.calibration_batch(calibration)

@@ -98,15 +98,20 @@ def quantize_int8(fp32_path: Path, int8_path: Path, batch: np.ndarray) -> dict:
             row = next(self.rows, None)
             return None if row is None else {"input": row}
 
+    import onnx
+
     settings = {"tool": "onnxruntime.quantization.quantize_static", "format": "QDQ",
                 "weights": "QInt8, per channel", "activations": "QUInt8, per tensor",
-                "calibration_method": "MinMax", "preprocess": "quant_pre_process"}
+                "calibration_method": "MinMax", "preprocess": "quant_pre_process",
+                # 8-bit probabilities would round every class under 1/256 to 0; the softmax stays FP32.
+                "not_quantized": ["Softmax"]}
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         quant_pre_process(str(fp32_path), str(prepared))
+        softmax_nodes = [node.name for node in onnx.load(str(prepared)).graph.node if node.op_type == "Softmax"]
         quantize_static(str(prepared), str(int8_path), Reader(), quant_format=QuantFormat.QDQ,
                         per_channel=True, weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
-                        calibrate_method=CalibrationMethod.MinMax)
+                        calibrate_method=CalibrationMethod.MinMax, nodes_to_exclude=softmax_nodes)
     return settings
 
 
@@ -115,7 +120,7 @@ def onnx_logits(path: Path, batch: np.ndarray) -> np.ndarray:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run(None, {"input": batch})[0]
+    return session.run(["logits"], {"input": batch})[0]
 
 
 def calibration_record(paths: list[Path], source: str) -> dict:

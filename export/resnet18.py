@@ -18,10 +18,17 @@ import numpy as np
 import torch
 import torchvision
 
+from export import artifacts
+
 log = logging.getLogger("export")
 
 INPUT_NAME = "input"    # FP32 [N, 3, 224, 224], normalized as in model_repository/preprocess
-OUTPUT_NAME = "logits"  # FP32 [N, 1000], unnormalized class scores
+#: The exported files' outputs, in this order, as the served runtimes name them: "logits" FP32 [N, 1000]
+#: (unnormalized class scores) and "probabilities" FP32 [N, 1000] (their softmax over the 1000 classes:
+#: each row >= 0, summing to 1). Triton's pytorch backend maps a TorchScript module's tuple of outputs to
+#: the config's outputs by position.
+OUTPUT_NAMES = artifacts.runtimes().OUTPUT_NAMES
+OUTPUT_NAME, PROBABILITIES_NAME = OUTPUT_NAMES
 IMAGE_SHAPE = (3, 224, 224)
 NUM_CLASSES = 1000
 #: 17 is the oldest opset the project supports (all ResNet-18 ops are stable since opset 13).
@@ -30,6 +37,8 @@ ONNX_OPSET = 17
 #: (numpy.allclose). Float32 kernels of different libraries differ by ~1e-5 relative on ResNet-18.
 PARITY_RTOL = 1e-3
 PARITY_ATOL = 1e-3
+#: Parity bound of the probabilities (absolute): a logit error e changes a probability p by about p*e.
+PROBABILITY_ATOL = 1e-4
 
 IMAGENET_WEIGHTS = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
 
@@ -99,30 +108,36 @@ def warn_random_weights(seed: int, reason: str = "") -> None:
           f"{bar}\n", file=sys.stderr, flush=True)
 
 
-class _NamedInput(torch.nn.Module):
-    """Gives forward() the argument name `input`: Triton's pytorch backend maps inputs by that name."""
+class ServedNetwork(torch.nn.Module):
+    """The network as exported: FP32 [N, 3, 224, 224] `input` -> (logits, probabilities), both FP32
+    [N, 1000] (OUTPUT_NAMES). The softmax is part of the exported graph, so every runtime and backend
+    serving the file (Python backend, Triton's native onnxruntime and pytorch backends) returns the same
+    probabilities. forward()'s argument is named `input`: Triton's pytorch backend maps inputs by name."""
 
     def __init__(self, net: torch.nn.Module):
         super().__init__()
         self.net = net
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (Triton's input name)
-        return self.net(input)
+    def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: A002
+        logits = self.net(input)
+        return logits, torch.softmax(logits, dim=1)
 
 
 def export_onnx(model: torch.nn.Module, path: Path) -> None:
-    """Write ONNX (opset ONNX_OPSET) with a dynamic batch axis on `input` and `logits`."""
+    """Write ONNX (opset ONNX_OPSET) of ServedNetwork(model), with a dynamic batch axis on `input` and
+    both outputs."""
     example = torch.zeros(1, *IMAGE_SHAPE)
     torch.onnx.export(  # TorchScript-based exporter: no onnxscript dependency, exact op set of ResNet
-        model, (example,), str(path), dynamo=False, opset_version=ONNX_OPSET,
-        input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-        dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
+        ServedNetwork(model).eval(), (example,), str(path), dynamo=False, opset_version=ONNX_OPSET,
+        input_names=[INPUT_NAME], output_names=list(OUTPUT_NAMES),
+        dynamic_axes={name: {0: "batch"} for name in (INPUT_NAME, *OUTPUT_NAMES)})
 
 
 def export_torchscript(model: torch.nn.Module, path: Path) -> None:
-    """Write a traced TorchScript module; ResNet-18 has no data-dependent control flow to lose."""
+    """Write ServedNetwork(model) traced to TorchScript; ResNet-18 has no data-dependent control flow
+    to lose."""
     with torch.inference_mode(False), torch.no_grad():
-        traced = torch.jit.trace(_NamedInput(model), torch.zeros(2, *IMAGE_SHAPE))
+        traced = torch.jit.trace(ServedNetwork(model).eval(), torch.zeros(2, *IMAGE_SHAPE))
     traced.save(str(path))
 
 
@@ -135,25 +150,31 @@ def check_parity(model: torch.nn.Module, onnx_path: Path, torchscript_path: Path
     """Run the same batch through eager torch, ONNX Runtime and TorchScript.
 
     Returns the max absolute logit difference of each export. Raises AssertionError naming the export
-    and the difference when one exceeds PARITY_ATOL + PARITY_RTOL * |eager|.
+    and the difference when its logits exceed PARITY_ATOL + PARITY_RTOL * |eager|, or its probabilities
+    differ from the softmax of eager torch's logits by more than PROBABILITY_ATOL.
     """
     import onnxruntime as ort
 
     batch = parity_batch()
     with torch.inference_mode():
-        expected = model(torch.from_numpy(batch)).numpy()
-        scripted = torch.jit.load(str(torchscript_path)).eval()(torch.from_numpy(batch)).numpy()
+        eager = model(torch.from_numpy(batch))
+        expected = (eager.numpy(), torch.softmax(eager, dim=1).numpy())
+        scripted = [t.numpy() for t in torch.jit.load(str(torchscript_path)).eval()(torch.from_numpy(batch))]
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    onnx_out = session.run([OUTPUT_NAME], {INPUT_NAME: batch})[0]
+    onnx_out = session.run(list(OUTPUT_NAMES), {INPUT_NAME: batch})
     diffs = {}
-    for name, actual in (("onnx", onnx_out), ("torchscript", scripted)):
-        if actual.shape != expected.shape:
-            raise AssertionError(f"{name} export: output shape {actual.shape} != {expected.shape}")
-        diffs[name] = float(np.max(np.abs(actual - expected)))
-        if not np.allclose(actual, expected, rtol=PARITY_RTOL, atol=PARITY_ATOL):
+    for name, (logits, probabilities) in (("onnx", onnx_out), ("torchscript", scripted)):
+        if logits.shape != expected[0].shape or probabilities.shape != expected[1].shape:
+            raise AssertionError(f"{name} export: output shapes {logits.shape}, {probabilities.shape} "
+                                 f"!= {expected[0].shape}")
+        diffs[name] = float(np.max(np.abs(logits - expected[0])))
+        if not np.allclose(logits, expected[0], rtol=PARITY_RTOL, atol=PARITY_ATOL):
             raise AssertionError(
                 f"{name} export differs from eager torch: max |diff| {diffs[name]:.3g} exceeds "
                 f"atol {PARITY_ATOL} + rtol {PARITY_RTOL} * |eager|")
+        if not np.allclose(probabilities, expected[1], rtol=0, atol=PROBABILITY_ATOL):
+            raise AssertionError(f"{name} export: probabilities differ from the softmax of eager torch's "
+                                 f"logits by more than {PROBABILITY_ATOL}")
     return diffs
 
 

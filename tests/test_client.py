@@ -86,7 +86,8 @@ def test_health(any_client):
 def test_metadata(any_client):
     metadata = any_client.model_metadata(ENSEMBLE_MODEL)
     assert metadata["inputs"] == [{"name": "image", "datatype": "BYTES", "shape": [-1, 1]}]
-    assert metadata["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 1000]}]
+    assert metadata["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 1000]},
+                                   {"name": "probabilities", "datatype": "FP32", "shape": [-1, 1000]}]
     assert any_client.model_metadata(ONNX_MODEL)["inputs"][0]["shape"] == [-1, 3, 224, 224]
 
 
@@ -94,7 +95,10 @@ def test_classify_real_photos(any_client, photos_and_eager_top5):
     images, expected_top5 = photos_and_eager_top5
     predictions = any_client.classify(images, top_k=5)
     assert [[p.class_index for p in row] for row in predictions] == expected_top5
-    assert all(p.label and np.isfinite(p.score) for row in predictions for p in row)
+    assert all(p.label and np.isfinite(p.logit) and 0 < p.probability < 1 for row in predictions for p in row)
+    for row in predictions:  # most probable first; the softmax keeps the logits' order
+        assert [p.probability for p in row] == sorted((p.probability for p in row), reverse=True)
+        assert [p.logit for p in row] == sorted((p.logit for p in row), reverse=True)
 
 
 def test_infer_tensor_matches_eager_torch(any_client, eager_model):
@@ -217,7 +221,9 @@ def test_cli_classifies_files_and_folders_as_json_lines(triton_server, tmp_path,
     assert len(lines) == len(photos)
     by_name = {Path(line["file"]).name: line for line in lines}
     for photo, expected in zip(photos, photos_and_eager_top5[1]):
-        assert [p["class_index"] for p in by_name[photo.name]["predictions"]] == expected
+        predictions = by_name[photo.name]["predictions"]
+        assert [p["class_index"] for p in predictions] == expected
+        assert all(0 < p["probability"] < 1 and isinstance(p["logit"], float) for p in predictions)
 
 
 def test_cli_exits_1_when_an_image_fails(triton_server, tmp_path):
@@ -271,7 +277,8 @@ def test_printed_predictions_carry_the_random_weights_mark():
     from client.classifier import Prediction
     from client.classify import format_predictions
 
-    predictions = [Prediction(score=2.5, class_index=281, label="tabby")]
+    predictions = [Prediction(label="tabby", class_index=281, probability=0.8734, logit=2.5)]
     marked = format_predictions("cat.png", predictions, "[random weights]").splitlines()
-    assert marked == ["cat.png", "  1. tabby                          logit    2.500  (class 281) [random weights]"]
+    assert marked == ["cat.png",
+                      "  1. tabby                           87.34 %  (logit   2.500, class 281) [random weights]"]
     assert "random" not in format_predictions("cat.png", predictions)

@@ -16,22 +16,27 @@ def test_onnx_signature_has_dynamic_batch_and_named_tensors():
     model = onnx.load(str(artifacts.ONNX_PATH))
     onnx.checker.check_model(model)
     assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 17
-    (inp,), (out,) = model.graph.input, model.graph.output
-    assert (inp.name, out.name) == ("input", "logits")
+    (inp,), outputs = model.graph.input, model.graph.output
+    assert inp.name == "input" and [out.name for out in outputs] == ["logits", "probabilities"]
     assert inp.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     in_dims = [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim]
-    out_dims = [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim]
     assert isinstance(in_dims[0], str) and in_dims[1:] == [3, 224, 224]
-    assert isinstance(out_dims[0], str) and out_dims[1:] == [1000]
+    for out in outputs:
+        out_dims = [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim]
+        assert isinstance(out_dims[0], str) and out_dims[1:] == [1000], out.name
+        assert out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_exports_run_at_any_batch_size(batch_size):
     batch = r18.parity_batch(batch_size)
     session = ort.InferenceSession(str(artifacts.ONNX_PATH), providers=["CPUExecutionProvider"])
-    assert session.run(None, {"input": batch})[0].shape == (batch_size, 1000)
+    logits, probabilities = session.run(None, {"input": batch})
+    assert logits.shape == probabilities.shape == (batch_size, 1000)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    assert (probabilities.argmax(axis=1) == logits.argmax(axis=1)).all()
     scripted = torch.jit.load(str(artifacts.TORCHSCRIPT_PATH))
-    assert scripted(torch.from_numpy(batch)).shape == (batch_size, 1000)
+    assert [tuple(t.shape) for t in scripted(torch.from_numpy(batch))] == [(batch_size, 1000)] * 2
 
 
 def test_provenance_records_source_versions_and_hashes():
@@ -69,3 +74,16 @@ def test_random_init_is_reproducible_from_its_seed():
     batch = torch.from_numpy(r18.parity_batch(2))
     with torch.inference_mode():
         np.testing.assert_array_equal(a(batch).numpy(), b(batch).numpy())
+
+
+def test_exports_made_before_the_probabilities_output_are_re_exported(tmp_path, monkeypatch):
+    from export.__main__ import outdated_reason
+
+    assert outdated_reason() is None  # this checkout's exports carry both outputs
+    record = json.loads(artifacts.PROVENANCE_PATHS[0].read_text())
+    del record["outputs"]  # as written by an export of the logits alone
+    old = tmp_path / "provenance.json"
+    old.write_text(json.dumps(record))
+    monkeypatch.setattr(artifacts, "PROVENANCE_PATHS", (old,))
+    assert outdated_reason() == ("the exported files have outputs ['logits'], this code serves "
+                                 "['logits', 'probabilities']")

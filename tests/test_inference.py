@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
-from client.classifier import TritonClassifierClient
+from client.classifier import TritonClassifierClient, protocol_module
 from client.metrics import model_counters
 from client.samples import sample_photos
-from export.artifacts import ONNX_MODEL, TORCHSCRIPT_MODEL
+from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL
 from export.resnet18 import PARITY_ATOL, PARITY_RTOL, parity_batch
 
 from conftest import eager_logits, url_for
@@ -39,7 +39,9 @@ def test_photos_through_the_ensemble_give_eager_top5(client, eager_model):
     for photo, predictions, logits in zip(photos, served, expected):
         top5 = np.argsort(-logits)[:5]
         assert [p.class_index for p in predictions] == top5.tolist(), photo.name
-        np.testing.assert_allclose([p.score for p in predictions], logits[top5], rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose([p.logit for p in predictions], logits[top5], rtol=1e-3, atol=1e-3)
+        probabilities = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        np.testing.assert_allclose([p.probability for p in predictions], probabilities[top5], rtol=1e-3, atol=1e-6)
         assert all(p.label for p in predictions)
 
 
@@ -60,3 +62,23 @@ def test_concurrent_single_image_requests_are_batched(triton_server, eager_model
     assert inferences == 32
     assert executions < inferences, f"{executions} executions for {inferences} inferences: no batching"
     np.testing.assert_allclose(served, eager_logits(eager_model, images), rtol=PARITY_RTOL, atol=PARITY_ATOL)
+
+
+@pytest.mark.parametrize("model", [ENSEMBLE_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL])
+def test_probabilities_output_is_the_softmax_of_the_logits(client, model):
+    """Both outputs in full from one request: each probability row sums to 1 and is softmax(logits)."""
+    module = protocol_module(client.protocol)
+    if model == ENSEMBLE_MODEL:
+        images = np.array([p.read_bytes() for p in sample_photos()[:3]], dtype=np.object_).reshape(-1, 1)
+        request = module.InferInput("image", list(images.shape), "BYTES")
+        request.set_data_from_numpy(images)
+    else:
+        request = module.InferInput("input", [3, 3, 224, 224], "FP32")
+        request.set_data_from_numpy(parity_batch(3, seed=5))
+    outputs = [module.InferRequestedOutput(name) for name in ("logits", "probabilities")]
+    result = client.raw.infer(model, [request], outputs=outputs)
+    logits, probabilities = result.as_numpy("logits"), result.as_numpy("probabilities")
+    assert probabilities.shape == logits.shape == (3, 1000) and probabilities.dtype == np.float32
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(probabilities, shifted / shifted.sum(axis=1, keepdims=True), rtol=1e-3, atol=1e-7)

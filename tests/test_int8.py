@@ -17,6 +17,12 @@ from export.quantize import agreement, calibration_batch
 runtimes = artifacts.runtimes()
 
 
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Reference softmax over axis 1, in float64."""
+    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
 def test_agreement_on_crafted_logits():
     reference = np.array([[5.0, 4, 3, 2, 1, 0], [0, 1, 2, 3, 4, 5]])
     same_order = reference * 2.0  # same ranking, logits differ by up to 5
@@ -46,20 +52,25 @@ def test_provenance_records_the_calibration_set_and_the_agreement():
 @pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
 def test_int8_model_keeps_the_fp32_top5_on_real_photos(runtime):
     batch = calibration_batch(sample_photos())
-    fp32 = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_PATH))(batch)
-    int8 = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_INT8_PATH, runtime, threads=1))(batch)
+    fp32, _ = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_PATH))(batch)
+    int8, probabilities = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_INT8_PATH, runtime, threads=1))(batch)
     result = agreement(fp32, int8)
     assert result.top5_overlap >= 0.8, result  # measured 1.0 on these inputs with both runtimes
     assert result.max_abs_logit_diff < 0.5 * np.abs(fp32).max(), result
+    # The softmax is left in FP32: the INT8 model's probabilities are the softmax of its own logits.
+    np.testing.assert_allclose(probabilities, softmax(int8), rtol=1e-4, atol=1e-7)
 
 
 def test_every_runtime_of_the_fp32_network_agrees_with_onnxruntime():
     batch = r18.parity_batch(2)
-    reference = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_PATH))(batch)
-    openvino = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_PATH, "openvino", threads=1))(batch)
-    torchscript = runtimes.load(runtimes.RuntimeSpec(artifacts.TORCHSCRIPT_PATH, "torchscript", threads=1))(batch)
-    np.testing.assert_allclose(openvino, reference, atol=1e-3)
-    np.testing.assert_allclose(torchscript, reference, atol=1e-3)
+    logits, probabilities = runtimes.load(runtimes.RuntimeSpec(artifacts.ONNX_PATH))(batch)
+    np.testing.assert_allclose(probabilities, softmax(logits), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    for spec in (runtimes.RuntimeSpec(artifacts.ONNX_PATH, "openvino", threads=1),
+                 runtimes.RuntimeSpec(artifacts.TORCHSCRIPT_PATH, "torchscript", threads=1)):
+        other_logits, other_probabilities = runtimes.load(spec)(batch)
+        np.testing.assert_allclose(other_logits, logits, atol=1e-3, err_msg=spec.runtime)
+        np.testing.assert_allclose(other_probabilities, probabilities, atol=1e-5, err_msg=spec.runtime)
 
 
 def test_runtime_spec_from_config_parameters():

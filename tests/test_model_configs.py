@@ -116,6 +116,15 @@ def test_ensemble_steps_fit_their_models():
         assert set(step.output_map) <= {t.name for t in model.output}
         produced |= set(step.output_map.values())
     assert {t.name for t in ensemble.output} <= produced
-    (output,) = ensemble.output
-    labels = artifacts.MODEL_REPOSITORY / artifacts.ENSEMBLE_MODEL / output.label_filename
-    assert labels == artifacts.LABELS_PATH and len(labels.read_text().splitlines()) == 1000
+    assert [t.name for t in ensemble.output] == ["logits", "probabilities"]
+    for output in ensemble.output:  # both usable with class_count
+        labels = artifacts.MODEL_REPOSITORY / artifacts.ENSEMBLE_MODEL / output.label_filename
+        assert labels == artifacts.LABELS_PATH and len(labels.read_text().splitlines()) == 1000
+
+
+@pytest.mark.parametrize("model", [artifacts.ONNX_MODEL, artifacts.TORCHSCRIPT_MODEL])
+def test_network_configs_serve_the_exports_outputs_in_their_order(model):
+    """The pytorch backend maps a TorchScript module's outputs to the config's by position, and the
+    Python-backend model looks each configured name up in the runtime's outputs: both need the export's
+    names in the export's order (variants have the default's signature: the test above)."""
+    assert tuple(t.name for t in default_config(model).output) == artifacts.runtimes().OUTPUT_NAMES

@@ -1,11 +1,12 @@
-"""Triton Python-backend model for an exported ResNet-18 (FP32 [N,3,224,224] -> logits FP32 [N,1000]).
+"""Triton Python-backend model for an exported ResNet-18: FP32 [N,3,224,224] -> logits and probabilities
+(their softmax), both FP32 [N,1000]; the config lists which of the two it serves.
 
 Shared by `resnet18_onnx` (model.onnx or model.int8.onnx, run by ONNX Runtime or OpenVINO) and
 `resnet18_torchscript` (model.pt, run by TorchScript): `resnet18_torchscript/1/model.py` is a link to this
 file. The config's parameters name the file, the runtime and its threads (runtimes.py, beside this file).
 
 execute() stacks the inputs of every request the dynamic batcher handed over into one batch, runs the
-network once, and splits the logits back per request. If the stacked run fails, each request is run
+network once, and splits the outputs back per request. If the stacked run fails, each request is run
 alone, so only the request that fails gets an error.
 """
 import json
@@ -24,9 +25,9 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.input_name = config["input"][0]["name"]
-        output = config["output"][0]
-        self.output_name = output["name"]
-        self.output_dtype = pb_utils.triton_string_to_numpy(output["data_type"])
+        #: (name, position in the runtime's outputs, numpy dtype) of each output the config lists.
+        self.outputs = [(output["name"], runtimes.OUTPUT_NAMES.index(output["name"]),
+                         pb_utils.triton_string_to_numpy(output["data_type"])) for output in config["output"]]
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         spec = runtimes.RuntimeSpec.from_parameters(params, Path(args["model_repository"]) / args["model_version"])
         self.run = runtimes.load(spec)
@@ -34,8 +35,9 @@ class TritonPythonModel:
     def execute(self, requests):
         inputs = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
         try:
-            logits = self.run(np.concatenate(inputs))
-            per_request = np.split(logits, np.cumsum([len(x) for x in inputs])[:-1])
+            outputs = self.run(np.concatenate(inputs))
+            bounds = np.cumsum([len(x) for x in inputs])[:-1]
+            per_request = zip(*(np.split(output, bounds) for output in outputs))
         except Exception:
             return [self._run_alone(batch) for batch in inputs]
         return [self._response(out) for out in per_request]
@@ -47,6 +49,7 @@ class TritonPythonModel:
             return pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"inference failed: {exc}", pb_utils.TritonError.INTERNAL))
 
-    def _response(self, logits):
-        tensor = pb_utils.Tensor(self.output_name, np.ascontiguousarray(logits, dtype=self.output_dtype))
-        return pb_utils.InferenceResponse(output_tensors=[tensor])
+    def _response(self, outputs):
+        tensors = [pb_utils.Tensor(name, np.ascontiguousarray(outputs[position], dtype=dtype))
+                   for name, position, dtype in self.outputs]
+        return pb_utils.InferenceResponse(output_tensors=tensors)

@@ -1,4 +1,5 @@
-"""The network's runtimes: an exported ResNet-18 file -> a function FP32 [N,3,224,224] -> logits FP32 [N,1000].
+"""The network's runtimes: an exported ResNet-18 file -> a function FP32 [N,3,224,224] -> its outputs,
+logits and probabilities, both FP32 [N,1000] (OUTPUT_NAMES, in the files' order).
 
 One place for how each runtime is loaded and configured, used by the served models (model.py beside this
 file reads a `RuntimeSpec` from its config's parameters) and by the in-process measurements (bench/), so
@@ -23,7 +24,11 @@ from typing import Callable
 
 import numpy as np
 
-Runner = Callable[[np.ndarray], np.ndarray]
+#: The exported files' outputs, in their order (export/resnet18.py OUTPUT_NAMES): the logits and their
+#: softmax over the 1000 classes, computed in the exported graph.
+OUTPUT_NAMES = ("logits", "probabilities")
+#: One batch FP32 [N,3,224,224] -> [logits, probabilities], each FP32 [N,1000].
+Runner = Callable[[np.ndarray], list]
 RUNTIMES = ("onnxruntime", "openvino", "torchscript")
 _DEFAULT_RUNTIME = {".onnx": "onnxruntime", ".pt": "torchscript"}
 
@@ -55,7 +60,8 @@ class RuntimeSpec:
 
 
 def load(spec: RuntimeSpec) -> Runner:
-    """Load `spec.path` with its runtime, once; the returned function runs one batch."""
+    """Load `spec.path` with its runtime, once; the returned function runs one batch and returns the
+    file's outputs as a list of arrays in OUTPUT_NAMES order."""
     return {"onnxruntime": _onnxruntime, "openvino": _openvino, "torchscript": _torchscript}[spec.runtime](spec)
 
 
@@ -67,7 +73,7 @@ def _onnxruntime(spec: RuntimeSpec) -> Runner:
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spec.allow_spinning else "0")
     session = ort.InferenceSession(str(spec.path), options, providers=["CPUExecutionProvider"])
     input_name = session.get_inputs()[0].name
-    return lambda batch: session.run(None, {input_name: batch})[0]
+    return lambda batch: session.run(list(OUTPUT_NAMES), {input_name: batch})
 
 
 def _openvino(spec: RuntimeSpec) -> Runner:
@@ -79,9 +85,11 @@ def _openvino(spec: RuntimeSpec) -> Runner:
     compiled = ov.Core().compile_model(str(spec.path), "CPU", config)
     request = compiled.create_infer_request()
 
-    def run(batch: np.ndarray) -> np.ndarray:
+    outputs = [compiled.output(name) for name in OUTPUT_NAMES]
+
+    def run(batch: np.ndarray) -> list:
         request.infer({0: batch})
-        return request.get_output_tensor(0).data.copy()  # the request reuses its buffer
+        return [request.get_tensor(output).data.copy() for output in outputs]  # the request reuses its buffers
     return run
 
 
@@ -95,8 +103,8 @@ def _torchscript(spec: RuntimeSpec) -> Runner:
     threads = spec.threads or len(os.sched_getaffinity(0))
     module = torch.jit.load(str(spec.path), map_location="cpu").eval()
 
-    def run(batch: np.ndarray) -> np.ndarray:
+    def run(batch: np.ndarray) -> list:
         torch.set_num_threads(threads)
         with torch.inference_mode():
-            return module(torch.from_numpy(batch)).numpy()
+            return [tensor.numpy() for tensor in module(torch.from_numpy(batch))]
     return run
