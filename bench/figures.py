@@ -217,7 +217,7 @@ def validation_figure(rows: list[dict], date: str) -> plt.Figure:
     ax.set_title(f"capacity planner: predicted vs measured p99, {within} of {len(points)} levels within "
                  f"±{P99_BAND:.0%}\nlabels: load as a fraction of capacity (measured {date})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="best")  # clear of the markers
     fig.tight_layout()
     return fig
 
@@ -251,7 +251,8 @@ def soak_figure(record: dict, date: str) -> plt.Figure:
         bottom.plot(times_min, [v - values[0] for v in values], linewidth=0.9,
                     label=f"{name} (start {values[0]:,.0f} MiB)")
     low, high = bottom.get_ylim()
-    bottom.set_ylim(min(low, -2.0), max(high, 2.0))  # a flat line stays flat, not noise blown up
+    low, high = min(low, -2.0), max(high, 2.0)  # a flat line stays flat, not noise blown up
+    bottom.set_ylim(low, high + 0.6 * (high - low))  # room for the legend above the lines
     bottom.set_ylabel("resident memory growth\nsince start (MiB)")
     bottom.set_xlabel("minutes since the load began")
     bottom.grid(True, alpha=0.3)
