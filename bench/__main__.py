@@ -23,12 +23,16 @@ the server's split per step (queue, compute, average batch), against the same pi
 Writes results/bench-<UTC time>[-quick]/: perf_analyzer's files per level, machine.json, summary.json,
 report.md and PNG plots (three for the tensor sweeps, two end to end). --quick finishes in about 6
 minutes on the 2-core reference machine (under 3 without the end-to-end part).
+
+Progress: a bar over the planned perf_analyzer runs on stderr (drawn on a terminal only) and a log line
+per run with the count done and the ETA; the report's path and the targets go to stdout.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import logging
 import shlex
 import sys
 import time
@@ -36,13 +40,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from bench import inprocess
 from bench.machine import cpu_share, cpu_ticks, machine_info
 from bench.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
 from bench.pipeline import pipeline_options, print_targets, run_pipeline
 from bench.pipeline_config import instance_count, served_config, variant_config
+from bench.progress import Progress, add_logging_arguments, setup_logging
 from bench.report import saturation_row, write_report
 from bench.server_stats import CpuSampler, model_statistics, statistics_delta
 from client.classifier import TritonClassifierClient
@@ -51,6 +55,7 @@ from server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 BENCH_REPOSITORY = Path(__file__).parent / "model_repository"
 IDENTITY_MODEL = "identity"
+log = logging.getLogger("bench")
 
 
 def config_names(model: str) -> list[str]:
@@ -96,12 +101,13 @@ QUICK_LEVELS = {"latency": (1,), "throughput": (64,), "no_batching": (16,), "def
 
 def concurrency_levels(name: str, max_batch_size: int, max_queue_size: int, instances: int,
                        quick: bool) -> tuple[int, ...]:
+    """The concurrency levels (requests in flight) swept for config `name` (QUICK_LEVELS with --quick)."""
     if quick and name in QUICK_LEVELS:
         return QUICK_LEVELS[name]
     return levels_for(max_batch_size, max_queue_size, quick, instances)
 
 
-def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> dict:
+def run_config(name: str, model: str, run_dir: Path, args, progress: Progress) -> dict:
     """Restart the server with config `name`, measure cold start, in-process ceiling and both sweeps."""
     out = run_dir / name
     out.mkdir(parents=True)
@@ -109,6 +115,7 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> di
     server = EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log")
     progress.set_description(f"{name}: starting tritonserver")
     ready_s = server.start()
+    log.info("%s: tritonserver ready in %.1f s (log: %s)", name, ready_s, out / "tritonserver.log")
     try:
         with TritonClassifierClient(server_config.http_url, "http") as client:
             probe = np.zeros((1, 3, 224, 224), np.float32)
@@ -118,6 +125,8 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> di
             record = {"name": name, **served_config(client, model),
                       "triton_version": client.raw.get_server_metadata()["version"],
                       "cold_start": {"process_to_ready_s": ready_s, "first_inference_ms": first_ms}}
+        log.debug("%s: first inference %.1f ms; served config %s", name, first_ms,
+                  {k: v for k, v in record.items() if k not in ("name", "cold_start")})
         progress.set_description(f"{name}: in-process ceiling")
         single = inprocess.measure("onnxruntime", sorted({1, record["max_batch_size"]}), duration_s=args.inprocess_s)
         parallel = inprocess.measure_parallel(record["max_batch_size"], duration_s=args.inprocess_s)
@@ -128,6 +137,8 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> di
         best_arrangement = "parallel" if parallel.throughput > single[-1].throughput else "single"
         ceiling_before = max(single[-1].throughput, parallel.throughput)
         record["inprocess_at_max_batch"] = capacity = ceiling_before
+        log.info("%s: in-process ceiling %.1f infer/s at batch %d (%s)", name, capacity, record["max_batch_size"],
+                 best_arrangement)
         fallback = int(capacity * 2 * args.measurement_ms / 1000)  # about 2 windows' worth of requests
         levels = concurrency_levels(name, record["max_batch_size"], record["max_queue_size"], record["instances"],
                                     args.quick)
@@ -167,7 +178,7 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: tqdm) -> di
         server.stop()
 
 
-def run_identity(run_dir: Path, args, progress: tqdm) -> dict:
+def run_identity(run_dir: Path, args, progress: Progress) -> dict:
     """The batching-layer ceiling: `identity` through the same server, batcher and protocol stack."""
     out = run_dir / IDENTITY_MODEL
     out.mkdir()
@@ -218,6 +229,7 @@ def evaluate_targets(configs: dict[str, dict], identity: dict, cores: int) -> li
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the sweeps (module doc); exit status 0, 2 when the model files are missing."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -227,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--shared-memory", choices=("none", "system"), default="system",
                         help="perf_analyzer's tensor transport (default system: same host)")
-    parser.add_argument("--measurement-ms", type=int, help="perf_analyzer window (default 2500, quick 1500)")
+    parser.add_argument("--measurement-ms", type=int,
+                        help="perf_analyzer measurement window, ms (default 2500, quick 1500)")
     parser.add_argument("--out", type=Path, help="results folder (default results/bench-<time>)")
     parser.add_argument("--pipeline-variants", nargs="+", metavar="NAME",
                         help="config variants for the end-to-end part (server-wide --model-config-name; "
@@ -238,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline-served-repository", type=Path, metavar="DIR",
                         help="serve the end-to-end part from this model repository (e.g. an older checkout's "
                              "model_repository/, for a before/after); the in-process twin is this checkout's")
+    add_logging_arguments(parser)
     args = parser.parse_args(argv)
+    setup_logging("bench", args.log_level)
     if missing_artifacts():
-        print("bench: model files missing: run `make export` first", file=sys.stderr)
+        log.error("model files missing: run `make export` first")
         return 2
     if args.skip_tensor_sweeps and args.skip_pipeline:
         parser.error("--skip-tensor-sweeps and --skip-pipeline together leave nothing to run")
@@ -266,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         steps += len(args.rate_fractions) * sum(n in args.rate_configs for n in names) + (1 if args.quick else 6)
     steps += pipeline.perf_runs if pipeline else 0
     configs, parts, identity = {}, {}, None  # parts: the measured sections of summary.json
-    with tqdm(total=steps, unit="level", file=sys.stderr) as progress:
+    log.info("%d perf_analyzer runs planned: %s%s%s; results in %s", steps,
+             f"{len(names)} config(s) ({' '.join(names)}) and the identity ceiling" if names else "",
+             " and " if names and pipeline else "",
+             f"{pipeline.perf_runs} end-to-end runs ({' '.join(pipeline.variants)})" if pipeline else "", run_dir)
+    with Progress(steps, "run", "bench", log) as progress:
         for name in names:
             configs[name] = run_config(name, args.model, run_dir, args, progress)
         if names:
@@ -274,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if pipeline:
             parts["pipeline"] = run_pipeline(run_dir, pipeline, progress)
     if names:
+        log.info("in-process TorchScript reference (batch 1, 16, 32)")
         torchscript = [asdict(r) for r in inprocess.measure("torchscript", [1, 16, 32], duration_s=args.inprocess_s)]
         parts.update({
             "configs": list(configs.values()),

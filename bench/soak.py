@@ -9,6 +9,10 @@ per minute, and memory at start, end and peak per process; passes (exit 0) when 
 the total resident memory grew less than `--memory-bound-mib` from start to end. Not part of the
 tests: it takes minutes. Figures in docs/reliability.md.
 
+Progress: a bar over the seconds of the capacity measurement, then over the seconds of the soak, on
+stderr (drawn on a terminal only), and a log line per minute with that minute's answers, failures,
+latency and resident memory. The report, the per-minute table and PASS/FAIL go to stdout.
+
     .venv/bin/python -m bench.soak                      # 10 minutes at 80 %
     .venv/bin/python -m bench.soak --minutes 1 --load 0.5
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 import threading
@@ -29,11 +34,14 @@ from tritonclient.utils import InferenceServerException
 from bench.reliability import (ANSWERED, ERROR, HANG_BOUND_S, LOST, MiB, RESULTS_DIR, Outcome, _infer_input,
                                _judge, classify_error, cpu_steal_ticks, ensemble_load, percentile,
                                reference_answers, summarize)
+from bench.progress import Progress, add_logging_arguments, setup_logging
 from server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+log = logging.getLogger("bench.soak")
 
 
 async def closed_loop(url: str, load, concurrency: int, duration_s: float) -> float:
-    """Answers per second with `concurrency` requests always in flight for `duration_s`."""
+    """Answers per second with `concurrency` requests always in flight for `duration_s` seconds."""
     client = grpcaio.InferenceServerClient(url)
     answered, stop_at = 0, time.monotonic() + duration_s
     output = [grpcaio.InferRequestedOutput(load.output_name)]
@@ -55,13 +63,15 @@ async def closed_loop(url: str, load, concurrency: int, duration_s: float) -> fl
 
 
 async def open_loop(url: str, load, rate_per_s: float, duration_s: float, max_in_flight: int,
-                    seed: int = 0) -> tuple[list[tuple[float, Outcome]], int]:
-    """Poisson arrivals at `rate_per_s` for `duration_s`; returns ((send time, outcome) per request,
-    times the in-flight bound delayed a send)."""
+                    seed: int = 0, results: list[tuple[float, Outcome]] | None = None
+                    ) -> tuple[list[tuple[float, Outcome]], int]:
+    """Poisson arrivals at `rate_per_s` (requests/s) for `duration_s` (seconds), at most `max_in_flight`
+    requests outstanding; returns ((send time s, outcome) per request, times the in-flight bound delayed
+    a send). results: the list to append to as outcomes come in (another thread may read it meanwhile)."""
     client = grpcaio.InferenceServerClient(url)
     rng = random.Random(seed)
     output = [grpcaio.InferRequestedOutput(load.output_name)]
-    results: list[tuple[float, Outcome]] = []
+    results = [] if results is None else results
     in_flight = asyncio.Semaphore(max_in_flight)
     delayed = 0
 
@@ -104,7 +114,8 @@ async def open_loop(url: str, load, rate_per_s: float, duration_s: float, max_in
 
 
 class MemoryLog:
-    """Resident memory per process of the server every `interval_s` on a thread."""
+    """Resident memory (bytes) per process of the server every `interval_s` seconds, on a thread;
+    samples: [(seconds since start, {process: bytes})]."""
 
     def __init__(self, server: EmbeddedTritonServer, interval_s: float = 5.0):
         self.server, self.interval_s = server, interval_s
@@ -128,7 +139,15 @@ class MemoryLog:
         self._stop.set()
         self._thread.join()
 
+    def total_mib(self) -> tuple[float, float] | None:
+        """(first, latest) total resident memory of the server's processes, MiB; None before a sample."""
+        samples = list(self.samples)
+        if not samples:
+            return None
+        return sum(samples[0][1].values()) / MiB, sum(samples[-1][1].values()) / MiB
+
     def report(self) -> dict:
+        """Per process and "total": start_mib, end_mib, peak_mib, growth_mib (MiB)."""
         names = sorted({name for _, sample in self.samples for name in sample})
         per_process = {}
         for name in names + ["total"]:
@@ -140,6 +159,8 @@ class MemoryLog:
 
 
 def per_minute(results: list[tuple[float, Outcome]]) -> list[dict]:
+    """One row per minute of send time: minute (1-based), sent, answered, failed, p50_ms, p99_ms
+    (latency of the answered requests, milliseconds)."""
     rows = []
     minutes = int(max((t for t, _ in results), default=0) // 60) + 1
     for minute in range(minutes):
@@ -151,30 +172,74 @@ def per_minute(results: list[tuple[float, Outcome]]) -> list[dict]:
     return rows
 
 
+class MinuteLog:
+    """Logs each finished minute of the soak (answers so far of the requests sent in it, latency, total
+    resident memory) once, as the ticker passes the minute; `finish` logs the minutes not yet logged."""
+
+    def __init__(self, results: list[tuple[float, Outcome]], memory: MemoryLog, progress: Progress):
+        self.results, self.memory, self.progress = results, memory, progress
+        self.logged = 0  # minutes logged
+
+    def __call__(self, elapsed_s: float) -> None:
+        while self.logged < int(elapsed_s // 60):
+            self._log(self.logged + 1)
+
+    def finish(self) -> None:
+        """Log the minutes not logged yet (the last one, once every answer is in)."""
+        for minute in range(self.logged + 1, len(per_minute(self.results)) + 1):
+            self._log(minute)
+
+    def _log(self, minute: int) -> None:
+        self.logged = minute
+        rows = per_minute(list(self.results))
+        if minute > len(rows):
+            return
+        row, memory = rows[minute - 1], self.memory.total_mib()
+        note = (f"minute {minute}: {row['answered']} answered, {row['failed']} failed, p50 {row['p50_ms']} ms, "
+                f"p99 {row['p99_ms']} ms" + (f", memory {memory[1]:.0f} MiB ({memory[1] - memory[0]:+.0f})"
+                                             if memory else ""))
+        self.progress.set_postfix(note)
+        log.log(logging.WARNING if row["failed"] else logging.INFO, "%s; %s", note, self.progress.status())
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the soak (module doc); exit status 0 when it passes, 1 when it fails."""
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--minutes", type=float, default=10.0, help="length of the soak, minutes (default 10)")
     parser.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity (default 0.8)")
-    parser.add_argument("--capacity-s", type=float, default=30.0, help="seconds of the capacity measurement")
-    parser.add_argument("--max-in-flight", type=int, default=256)
+    parser.add_argument("--capacity-s", type=float, default=30.0,
+                        help="seconds of the capacity measurement (default 30)")
+    parser.add_argument("--max-in-flight", type=int, default=256,
+                        help="most requests outstanding at once; a send waits beyond it (default 256)")
     parser.add_argument("--memory-bound-mib", type=float, default=64.0,
                         help="allowed growth of the total resident memory from start to end (default 64 MiB)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
+                        help=f"folder for soak-<time>/ (soak.json, tritonserver.log; default {RESULTS_DIR})")
+    add_logging_arguments(parser)
     args = parser.parse_args(argv)
+    setup_logging("bench.soak", args.log_level)
     out_dir = args.out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir.mkdir(parents=True, exist_ok=True)
     config = config_on_free_ports()
+    log.info("starting tritonserver (log: %s)", out_dir / "tritonserver.log")
     with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver.log") as server:
         load = reference_answers(config, ensemble_load())
-        print(f"soak: measuring capacity ({args.capacity_s:.0f} s, 32 in flight, gRPC, ensemble)", flush=True)
-        capacity = asyncio.run(closed_loop(config.grpc_url, load, 32, args.capacity_s))
+        log.info("measuring capacity (%.0f s, 32 in flight, gRPC, ensemble)", args.capacity_s)
+        with Progress(args.capacity_s, "s", "soak: capacity", log, log_updates=False) as progress, \
+                progress.ticking():
+            capacity = asyncio.run(closed_loop(config.grpc_url, load, 32, args.capacity_s))
         rate = capacity * args.load
-        print(f"soak: capacity {capacity:.1f} req/s; sending {rate:.1f} req/s for {args.minutes:g} min", flush=True)
+        log.info("capacity %.1f req/s; sending %.1f req/s for %g min", capacity, rate, args.minutes)
         steal_before = cpu_steal_ticks()
-        with MemoryLog(server) as memory:
-            results, delayed = asyncio.run(open_loop(config.grpc_url, load, rate, args.minutes * 60,
-                                                     args.max_in_flight))
+        results: list[tuple[float, Outcome]] = []
+        with MemoryLog(server) as memory, \
+                Progress(args.minutes * 60, "s", f"soak: {rate:.1f} req/s", log, log_updates=False) as progress:
+            minutes = MinuteLog(results, memory, progress)
+            with progress.ticking(on_tick=minutes):
+                results, delayed = asyncio.run(open_loop(config.grpc_url, load, rate, args.minutes * 60,
+                                                         args.max_in_flight, results=results))
+            minutes.finish()
         steal_after = cpu_steal_ticks()
     outcomes = [o for _, o in results]
     summary = summarize(outcomes, len(outcomes))

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+from bench.progress import Progress, add_logging_arguments, setup_logging
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
 from planner.arrivals import BALANCERS, Bursty, Poisson, Trace
 from planner.profile import Profile, constant_profile
@@ -25,6 +27,7 @@ from planner.search import Plan, SearchSpace, Slo, format_plan, plan, speed_for
 from planner.simulator import LostWakeup, simulate
 
 DEFAULT_OUT = REPO_ROOT / "results" / "planner"
+log = logging.getLogger("planner")
 
 
 def _arrival(args, rate_rps: float):
@@ -56,6 +59,7 @@ def _lost_wakeup(probability: float) -> LostWakeup | None:
 
 
 def plan_to_json(p: Plan) -> dict:
+    """The plan as written by --json: target (infer/s), SLO (percentile, ms), best and no-batching figures."""
     def candidate(c):
         return None if c is None or not c.feasible else c.predicted(p.slo)
     return {"target_rps": p.target_rps, "slo": {"percentile": p.slo.percentile, "budget_ms": p.slo.budget_ms},
@@ -64,6 +68,8 @@ def plan_to_json(p: Plan) -> dict:
 
 
 def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path, name: str, command: str) -> Path:
+    """Write the plan's best config (base config + its batcher and instances) to `path`, with a header
+    saying how it was planned and what it is predicted to do; returns the path."""
     from planner.pbtxt import load_config, planned_config, write_config
 
     best = p.best
@@ -84,6 +90,7 @@ def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path,
 
 
 def cmd_plan(args) -> int:
+    """`plan`: print the plan, write its config; exit 1 when no config meets the SLO."""
     if args.worked_example:
         profile = constant_profile(100.0, 100, model="worked_example")
         args.qps = args.qps or 20000.0
@@ -132,6 +139,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_worked_example(args) -> int:
+    """`worked-example`: the textbook case under each load balancer."""
     for balancer in BALANCERS:
         print(f"--- {balancer} load balancer ---")
         print(format_plan(plan(20000.0, Slo(99, 500.0), constant_profile(100.0, 100, model="worked_example"),
@@ -140,6 +148,7 @@ def cmd_worked_example(args) -> int:
 
 
 def cmd_simulate(args) -> int:
+    """`simulate`: one config at one rate (req/s); prints the simulated figures (ms, infer/s)."""
     from planner.pbtxt import batcher_from_config, instance_count, load_config
 
     profile = Profile.load(args.profile)
@@ -165,14 +174,47 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def profile_runs(batch_sizes: list[int], instances: list[int], speed_under_load: bool) -> int:
+    """How many finished measurements `measure_profile` reports, one status line each: every batch size
+    per instance count, the lone batch-1 request once, and per instance count the speed-under-load
+    result at each SPEED_UTILIZATIONS level plus the closed loop (with batch 1 among the sizes)."""
+    from planner.measure import SPEED_UTILIZATIONS
+
+    speed = len(SPEED_UTILIZATIONS) + 1 if speed_under_load and 1 in batch_sizes else 0
+    return len(instances) * (len(batch_sizes) + speed) + 1
+
+
+def profile_status(progress: Progress):
+    """measure_profile's progress(message) callback on a Progress over `profile_runs`: a repeated
+    measurement is a WARNING, a server start INFO, every other line one measurement done."""
+    def status(message: str) -> None:
+        again = "measuring again" in message
+        progress(message, warning=again, step=not again and "starting tritonserver" not in message)
+    return status
+
+
+def measure_with_progress(args, out_dir: Path, **options) -> Profile:
+    """measure_profile for the profile/validate arguments, with a bar over its measurements (runs)."""
+    from planner.measure import measure_profile
+
+    total = profile_runs(args.batch_sizes, args.instances, not args.no_speed)
+    log.info("profile of %s: batch sizes %s, instances %s: %d measurements", args.model,
+             " ".join(map(str, args.batch_sizes)), " ".join(map(str, args.instances)), total)
+    with Progress(total, "run", "profile", log) as progress:
+        return measure_profile(args.model, tuple(args.batch_sizes), tuple(args.instances), out_dir,
+                               executions=args.executions, speed_under_load=not args.no_speed,
+                               progress=profile_status(progress), **options)
+
+
 def cmd_profile(args) -> int:
-    from planner.measure import measure_profile, server_ceiling_from_bench
+    """`profile`: measure and write <out>/profile-<model>.json (starts tritonserver; minutes)."""
+    from planner.measure import server_ceiling_from_bench
+
+    setup_logging("planner profile", args.log_level)
     ceiling, source = server_ceiling_from_bench()
     out = Path(args.out)
-    source_repository = Path(args.source_repository)
-    profile = measure_profile(args.model, tuple(args.batch_sizes), tuple(args.instances), out / f"profile-{args.model}",
-                              executions=args.executions, server_ceiling_rps=ceiling,
-                              source_repository=source_repository, speed_under_load=not args.no_speed)
+    profile = measure_with_progress(args, out / f"profile-{args.model}", server_ceiling_rps=ceiling,
+                                    source_repository=Path(args.source_repository))
     if source:
         profile.extra["server_ceiling_source"] = source
     path = profile.save(out / f"profile-{args.model}.json")
@@ -181,9 +223,12 @@ def cmd_profile(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from planner.measure import measure_profile, server_ceiling_from_bench
+    """`validate`: profile, then every config x level against the simulation; writes validation.json and
+    validation.md into --out and prints the tables (starts tritonserver; about 20 minutes by default)."""
+    from planner.measure import server_ceiling_from_bench
     from planner.validate import add_predictions, format_table, validate_config
 
+    setup_logging("planner validate", args.log_level)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.predict_only:
@@ -197,16 +242,19 @@ def cmd_validate(args) -> int:
         profile = Profile.load(args.profile)
     else:
         ceiling, source = server_ceiling_from_bench()
-        profile = measure_profile(args.model, tuple(args.batch_sizes), tuple(args.instances), out / "profile",
-                                  executions=args.executions, server_ceiling_rps=ceiling,
-                                  speed_under_load=not args.no_speed)
+        profile = measure_with_progress(args, out / "profile", server_ceiling_rps=ceiling)
         profile.extra["server_ceiling_source"] = source
-        profile.save(out / f"profile-{args.model}.json")
+        log.info("profile written: %s", profile.save(out / f"profile-{args.model}.json"))
     rows = []
-    for name in args.configs:
-        rows += validate_config(args.model, name, profile, tuple(args.fractions), out, args.requests_per_level,
-                                args.min_level_s, rates=tuple(args.rates or ()))
-        (out / "validation.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
+    levels = len(args.rates or args.fractions)
+    log.info("validating %d config(s) x %d level(s): %s", len(args.configs), levels, " ".join(args.configs))
+    with Progress(len(args.configs) * levels, "level", "validate", log) as progress:
+        for name in args.configs:
+            progress.set_description(f"validate {name}")
+            rows += validate_config(args.model, name, profile, tuple(args.fractions), out, args.requests_per_level,
+                                    args.min_level_s, progress=progress, rates=tuple(args.rates or ()))
+            (out / "validation.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
+    log.info("predicting every level (simulation)")
     rows = add_predictions(rows, profile)
     (out / "validation.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
     table = format_table(rows)
@@ -216,6 +264,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_scale(args) -> int:
+    """`scale`: replicas per target rate (infer/s) for each PROFILE:PERCENTILE:BUDGET_MS."""
     from planner.scale import format_rows, scale_rows
 
     rows = []
@@ -227,6 +276,7 @@ def cmd_scale(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The planner's command line (module doc); returns the subcommand's exit status."""
     parser = argparse.ArgumentParser(prog="python -m planner", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -276,25 +326,33 @@ def main(argv: list[str] | None = None) -> int:
     for command, helptext in (("profile", "measure a profile (starts tritonserver)"),
                               ("validate", "profile + perf_analyzer vs simulation (starts tritonserver)")):
         p = sub.add_parser(command, help=helptext)
-        p.add_argument("--model", default="resnet18_onnx")
-        p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-        p.add_argument("--instances", type=int, nargs="+", default=[1])
-        p.add_argument("--executions", type=int, default=12, help="back-to-back executions per size")
-        p.add_argument("--out", type=Path, default=DEFAULT_OUT / command)
+        p.add_argument("--model", default="resnet18_onnx", help="model of the repository (default resnet18_onnx)")
+        p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                       help="batch sizes to profile, images per execution (default 1 2 4 8 16 32)")
+        p.add_argument("--instances", type=int, nargs="+", default=[1],
+                       help="instance counts to profile, one server start each (default 1)")
+        p.add_argument("--executions", type=int, default=12, help="back-to-back executions per size (default 12)")
+        p.add_argument("--out", type=Path, default=DEFAULT_OUT / command,
+                       help=f"results folder (default results/planner/{command})")
         p.add_argument("--no-speed", action="store_true",
                        help="skip the speed-under-load runs (planner/speed.py; about 2 minutes per instance count)")
+        add_logging_arguments(p)
         if command == "profile":
             p.add_argument("--source-repository", default=str(MODEL_REPOSITORY),
                            help="model repository holding --model (e.g. bench/model_repository for identity)")
             p.set_defaults(func=cmd_profile)
         else:
             p.add_argument("--profile", type=Path, help="use this profile instead of measuring one")
-            p.add_argument("--configs", nargs="+", default=["default", "throughput"])
+            p.add_argument("--configs", nargs="+", default=["default", "throughput"],
+                           help="config names: default (config.pbtxt) or <name> (configs/<name>.pbtxt); "
+                                "default: default throughput")
             p.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.7, 0.95],
                            help="levels as fractions of each config's capacity (from the profile)")
             p.add_argument("--rates", type=float, nargs="+", help="levels as request rates, req/s (instead of --fractions)")
-            p.add_argument("--requests-per-level", type=int, default=400)
-            p.add_argument("--min-level-s", type=float, default=10.0, help="at least this long per level")
+            p.add_argument("--requests-per-level", type=int, default=400,
+                           help="requests per level, at least (default 400)")
+            p.add_argument("--min-level-s", type=float, default=10.0,
+                           help="seconds per level, at least: the count grows to rate x this (default 10)")
             p.add_argument("--predict-only", action="store_true",
                            help="no server: predict again from <out>/validation.json and the profile")
             p.set_defaults(func=cmd_validate)

@@ -25,6 +25,7 @@ import numpy as np
 
 from bench.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError,
                                  load_profile_export, run_level)
+from bench.progress import log_status
 from bench.server_stats import model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY
 from planner.arrivals import Poisson
@@ -93,8 +94,7 @@ def missed_wakeups(requests: list[dict], batcher: BatcherConfig, tolerance_s: fl
     that old. A start more than `tolerance_s` later is a missed wake-up; each is classed by what ended it.
 
     Returns {"busy_completions", "missed", "probability", "rescued_by_arrival", "extra_wait_ms_p50",
-    "extra_wait_ms_max"}.
-    """
+    "extra_wait_ms_max"}."""
     executions = sorted({(r["COMPUTE_START"], r.get("COMPUTE_END", r["COMPUTE_START"])) for r in requests})
     queue_starts = np.array(sorted(r["QUEUE_START"] for r in requests)) / 1e9
     by_request = sorted(((r["QUEUE_START"] / 1e9, r["COMPUTE_START"] / 1e9) for r in requests))
@@ -210,10 +210,10 @@ def predict(rate_rps: float, batcher, profile: Profile, instances: int, requests
 
 
 def validate_config(model: str, name: str, profile: Profile, fractions: tuple[float, ...], out_dir: Path,
-                    requests_per_level: int, min_level_s: float, progress=print,
+                    requests_per_level: int, min_level_s: float, progress=log_status,
                     rates: tuple[float, ...] = ()) -> list[dict]:
-    """Run every fraction of one config's capacity (or, given `rates`, those request rates, req/s);
-    return one row per level with what was measured (predictions: `add_predictions`)."""
+    """Measure each level: fractions of the config's capacity (or `rates`, req/s), >= requests_per_level requests
+    and >= min_level_s s each. One row per level; status to progress(message, warning=, step=) (bench.progress)."""
     config = load_config(config_path(model, name))
     batcher, instances = batcher_from_config(config), instance_count(config)
     capacity = device_capacity_rps(profile, batcher, instances)
@@ -224,7 +224,7 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
                                          extra_args=trace_args(trace_file))
     rows, failed = [], []
     segments: list[tuple[int, int | None]] = []  # every attempt in order: (requests served, kept row or None)
-    progress(f"validate {name}: capacity {capacity:.1f} infer/s ({batcher.describe()}, {instances} instance(s))")
+    progress(f"{name}: capacity {capacity:.1f} infer/s ({batcher.describe()}, {instances} instance(s))")
     with EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log") as server:
         http, grpc = server.config.http_url, server.config.grpc_url
         levels = [(rate / capacity, rate) for rate in rates] or [(f, round(f * capacity, 2)) for f in fractions]
@@ -249,12 +249,12 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
                 time.sleep(LEVEL_GAP_S)
                 if cpu_share["foreign"] <= MAX_FOREIGN_SHARE or attempt == MAX_ATTEMPTS:
                     break  # the last attempt is kept whatever it shared: its CPU figures say so
-                progress(f"  {fraction:.0%}: other processes took {cpu_share['foreign']:.0%} of the cores; "
-                         f"measuring again (attempt {attempt + 1})")
+                progress(f"{name} {fraction:.0%}: other processes took {cpu_share['foreign']:.0%} of the cores; "
+                         f"measuring again (attempt {attempt + 1})", warning=True)
                 segments.append((stats["inference_count"], None))
             segments.append((stats["inference_count"], None if error else len(rows)))
             if error:
-                progress(f"  {fraction:.0%} = {rate:g} req/s FAILED: {error.splitlines()[-1]}")
+                progress(f"{name} {fraction:.0%} = {rate:g} req/s FAILED: {error.splitlines()[-1]}", warning=True, step=True)
                 failed.append({"config": name, "fraction": fraction, "rate_rps": rate, "error": error,
                                "cpu": cpu_share, "server": stats})
                 continue
@@ -266,10 +266,10 @@ def validate_config(model: str, name: str, profile: Profile, fractions: tuple[fl
                          "perf_analyzer_delayed": delayed, "batcher": batcher.describe(),
                          "batcher_config": asdict(batcher), "instances": instances,
                          "level_dir": str(level_dir)})
-            progress(f"  {fraction:.0%} = {rate:g} req/s: {row.throughput:.1f} infer/s, p50 "
+            progress(f"{name} {fraction:.0%} = {rate:g} req/s: {row.throughput:.1f} infer/s, p50 "
                      f"{row.p50_us / 1e3:.1f} ms, p99 {row.p99_us / 1e3:.1f} ms, batch {stats['average_batch']:.2f}, "
                      f"CPU ours {cpu_share['ours']:.0%} foreign {cpu_share['foreign']:.0%} steal {cpu_share['steal']:.0%}"
-                     f"{'  [' + delayed + ']' if delayed else ''}")
+                     f"{'  [' + delayed + ']' if delayed else ''}", step=True)
     traced = split_levels(read_traces(trace_file, model), [count for count, _ in segments])
     for (_, kept), level in zip(segments, traced):
         if kept is not None:

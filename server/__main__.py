@@ -8,6 +8,10 @@ A supervisor restarts tritonserver when it exits, when a Python-backend stub pro
 does not restart it; the model would fail every request while still reporting READY) or when it stops
 answering; after --max-restarts restarts within 10 minutes it gives up and exits 1.
 
+tritonserver's log goes to --server-log (default results/serve-tritonserver.log, emptied at each start of
+`serve`) and is shown here as it grows, except its CUDA messages on a machine without a usable GPU: one
+line says they are expected (the models run on the CPU) and where the full log is.
+
 Security: the server listens on 127.0.0.1 unless --host says otherwise. Listening on any other address
 needs an admin key in the environment variable TRITON_ADMIN_KEY: model control, shared memory, trace
 and logging then need the header `admin-key: <key>` (gRPC metadata `triton-grpc-protocol-admin-key`);
@@ -21,10 +25,17 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
-from export.artifacts import MODEL_REPOSITORY, missing_artifacts
+from export.artifacts import MODEL_REPOSITORY, REPO_ROOT, missing_artifacts
 from server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ServerConfig
+from server.server_log import CudaNoticeFilter, LogFollower
 from server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
+
+#: Where `serve` writes tritonserver's full log (every restart appends to it).
+DEFAULT_SERVER_LOG = REPO_ROOT / "results" / "serve-tritonserver.log"
+#: What the supervisor appends to a start failure; the lines were shown as they came (LogFollower).
+LOG_TAIL_MARK = "; server log tail:"
 
 
 def ensure_exported() -> None:
@@ -36,18 +47,22 @@ def ensure_exported() -> None:
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the server itself (addresses, ports, config, shutdown), shared with server.demo."""
     defaults = ServerConfig()
     parser.add_argument("--host", default=defaults.host,
                         help="address to listen on (default 127.0.0.1: this machine only; any other "
                              f"address needs the admin key in ${ADMIN_KEY_ENV})")
-    parser.add_argument("--http-port", type=int, default=defaults.http_port)
-    parser.add_argument("--grpc-port", type=int, default=defaults.grpc_port)
-    parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port)
+    parser.add_argument("--http-port", type=int, default=defaults.http_port, help="HTTP port (default 8000)")
+    parser.add_argument("--grpc-port", type=int, default=defaults.grpc_port, help="gRPC port (default 8001)")
+    parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
+                        help="Prometheus metrics port (default 8002)")
     parser.add_argument("--model-config-name", help="use <model>/configs/<NAME>.pbtxt where present")
-    parser.add_argument("--model-repository", default=str(MODEL_REPOSITORY))
+    parser.add_argument("--model-repository", default=str(MODEL_REPOSITORY),
+                        help="model repository folder (default model_repository/)")
     parser.add_argument("--exit-timeout-s", type=int, default=defaults.exit_timeout_s,
                         help="seconds in-flight requests get to finish on shutdown (default 30)")
-    parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--log-verbose", type=int, default=0,
+                        help="tritonserver's --log-verbose level (default 0; 1 and up: detail per request)")
 
 
 class InsecureBindError(ValueError):
@@ -82,12 +97,16 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Serve until Ctrl-C or SIGTERM (module doc); exit status 0 on a clean stop, 1 when the server could
+    not be kept running, 2 for a refused --host."""
     parser = argparse.ArgumentParser(prog="python -m server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(parser)
     parser.add_argument("--max-restarts", type=int, default=SupervisorPolicy.max_restarts,
                         help="restarts allowed within 10 minutes before giving up (default 5; 0: never "
                              "restart, exit 1 on the first fault)")
+    parser.add_argument("--server-log", type=Path, default=DEFAULT_SERVER_LOG,
+                        help="tritonserver's full log, emptied at start (default results/serve-tritonserver.log)")
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
@@ -109,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     announced = threading.Event()
 
     def on_event(event: SupervisorEvent) -> None:
-        print(f"serve: {event.kind}: {event.detail}", file=sys.stderr, flush=True)
+        detail = event.detail.split(LOG_TAIL_MARK)[0]  # those lines were shown as they came
+        print(f"serve: {event.kind}: {detail}", file=sys.stderr, flush=True)
         if event.kind == "ready" and not announced.is_set():
             announced.set()
             print(f"\nserve: ready\n"
@@ -119,10 +139,25 @@ def main(argv: list[str] | None = None) -> int:
                   f"  try:    .venv/bin/python -m client.classify --url {config.http_url} <images>\n"
                   f"serve: Ctrl-C or SIGTERM to stop", flush=True)
 
-    supervisor = Supervisor(config, SupervisorPolicy(max_restarts=args.max_restarts), on_event=on_event)
-    status = supervisor.run(stop)
+    server_log = args.server_log.resolve()
+    server_log.parent.mkdir(parents=True, exist_ok=True)
+    server_log.write_bytes(b"")
+    print(f"serve: tritonserver log: {_shown(server_log)}", file=sys.stderr, flush=True)
+    supervisor = Supervisor(config, SupervisorPolicy(max_restarts=args.max_restarts), log_path=server_log,
+                            on_event=on_event)
+    with LogFollower(server_log, lambda line: print(line, file=sys.stderr, flush=True),
+                     CudaNoticeFilter(_shown(server_log), prefix="serve: ")):
+        status = supervisor.run(stop)
     print(f"serve: exiting with status {status}", flush=True)
     return status
+
+
+def _shown(path: Path) -> Path:
+    """`path` relative to the working directory when it lies under it, else as it is."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ from client.samples import sample_photos
 from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, PROVENANCE_PATHS, REPO_ROOT
 from server.__main__ import InsecureBindError, add_server_arguments, config_from_args, ensure_exported
 from server.embedded import EmbeddedTritonServer
+from server.server_log import cpu_only_explanation, is_cuda_notice
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the demo (module doc); exit status 0, 1 when a photo got no answer, 2 on a refused --host."""
     parser = argparse.ArgumentParser(prog="python -m server.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(parser)
@@ -44,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     log_path = REPO_ROOT / "results" / "demo-tritonserver.log"
     log_path.parent.mkdir(exist_ok=True)
     print(f"demo: starting tritonserver (log: {log_path.relative_to(REPO_ROOT)})", flush=True)
+    log_start = log_path.stat().st_size if log_path.exists() else 0  # the log file is appended to
     with EmbeddedTritonServer(config, log_path=log_path):
+        with open(log_path, "rb") as log_file:
+            log_file.seek(log_start)
+            if any(is_cuda_notice(line) for line in log_file.read().decode(errors="replace").splitlines()):
+                print(f"demo: {cpu_only_explanation(log_path.relative_to(REPO_ROOT))}", flush=True)
         print(f"\ndemo: tritonserver ready (HTTP {config.http_url}, gRPC {config.grpc_url}); "
               f"model weights: {weights}")
         before = {m: model_counters(config.metrics_url, m) for m in (PREPROCESS_MODEL, ONNX_MODEL)}

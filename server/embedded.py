@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from export.artifacts import MODEL_REPOSITORY
+from server.server_log import cpu_only_explanation, is_cuda_notice
 
 MiB = 1 << 20
 
@@ -70,14 +71,17 @@ class ServerConfig:
 
     @property
     def http_url(self) -> str:
+        """host:port for HTTP clients (a wildcard listen address becomes loopback)."""
         return f"{_client_host(self.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
+        """host:port for gRPC clients."""
         return f"{_client_host(self.host)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
+        """The Prometheus metrics endpoint (http://host:port/metrics)."""
         return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
 
 
@@ -93,6 +97,7 @@ def _pytriton_dir() -> Path:
 
 
 def tritonserver_binary() -> Path:
+    """The `tritonserver` executable inside the installed nvidia-pytriton wheel."""
     return _pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
 
 
@@ -124,6 +129,7 @@ def backend_directory() -> Path:
 
 
 def server_environment() -> dict[str, str]:
+    """This process's environment with LD_LIBRARY_PATH and PATH set for tritonserver and its stubs."""
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = library_path()
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -223,6 +229,7 @@ class EmbeddedTritonServer:
         return time.monotonic() - self.started_at
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Poll /v2/health/ready every 0.25 s up to `timeout_s` seconds; ServerStartError otherwise."""
         import tritonclient.http as httpclient
 
         client = httpclient.InferenceServerClient(self.config.http_url, connection_timeout=2.0)
@@ -244,13 +251,19 @@ class EmbeddedTritonServer:
         raise ServerStartError(f"tritonserver not ready after {timeout_s:.0f} s{self._log_tail()}")
 
     def _log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines of the server log for an error message; CUDA notices of a machine
+        without a usable GPU (server.server_log) left out and explained in one line instead."""
         if not self.log_path or not Path(self.log_path).exists():
             return ""
-        tail = Path(self.log_path).read_text(errors="replace").splitlines()[-lines:]
+        text = Path(self.log_path).read_text(errors="replace").splitlines()
+        tail = [line for line in text if not is_cuda_notice(line)][-lines:]
+        if any(map(is_cuda_notice, text)):
+            tail.insert(0, f"({cpu_only_explanation(self.log_path)})")
         return "; server log tail:\n" + "\n".join(tail)
 
     @property
     def running(self) -> bool:
+        """True while the tritonserver process is alive."""
         return self.process is not None and self.process.poll() is None
 
     def stub_processes(self) -> dict[str, int]:

@@ -358,3 +358,51 @@ def test_trace_summary_finds_requests_left_waiting_by_a_missed_wakeup(tmp_path):
     missed = summary["missed_wakeups"]
     assert (missed["busy_completions"], missed["missed"], missed["rescued_by_arrival"]) == (3, 2, 1)
     assert missed["extra_wait_ms_max"] == pytest.approx(500.0)
+
+
+# -- progress of the long commands (bench/progress.py, planner profile/validate) -------------------------
+
+def test_progress_counts_steps_and_logs_each_with_its_eta(caplog):
+    import logging
+
+    from bench.progress import Progress
+
+    caplog.set_level(logging.INFO, logger="planner")
+    with Progress(4, "level", "validate", logging.getLogger("planner"), disable=True) as progress:
+        progress("default: capacity 49.0 infer/s")
+        progress("default 30% = 14.7 req/s: 14.6 infer/s", step=True)
+        progress("default 70%: other processes took 30% of the cores; measuring again", warning=True)
+        progress.update()
+        assert progress.done == 2 and progress.eta_s() is not None
+        assert progress.status().startswith("2/4 levels, ") and "ETA " in progress.status()
+    records = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert records[0] == ("INFO", "default: capacity 49.0 infer/s")
+    assert records[1][0] == "INFO" and records[1][1].startswith("default 30% = 14.7 req/s: 14.6 infer/s; 1/4 levels")
+    assert records[2][0] == "WARNING"
+    assert records[3][1].startswith("validate: 2/4 levels, ")
+
+
+def test_profile_progress_counts_the_measurements_measure_profile_reports():
+    from bench.progress import Progress
+    from planner.__main__ import profile_runs, profile_status
+
+    # 6 batch sizes + the lone request + speed at 25/50/75% + the closed loop: the 11 lines of a default run
+    assert profile_runs([1, 2, 4, 8, 16, 32], [1], speed_under_load=True) == 11
+    assert profile_runs([1, 2, 4, 8, 16, 32], [1, 2], speed_under_load=False) == 13
+    with Progress(3, "run", "profile", disable=True) as progress:
+        status = profile_status(progress)
+        status("profile: 1 instance(s): starting tritonserver")
+        status("profile: batch 2: other processes took 40% of the cores; measuring again (attempt 2)")
+        status("profile: 1 instance(s), batch 2: cycle 45.2 ms (server compute 45.6 ms)")
+        status("profile: lone batch-1 request p50 20.2 ms -> overhead 0 us")
+        assert progress.done == 2
+
+
+def test_validate_and_profile_take_a_log_level(capsys):
+    from planner.__main__ import main as planner_main
+
+    with pytest.raises(SystemExit):
+        planner_main(["validate", "--help"])
+    assert "--log-level" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        planner_main(["profile", "-v", "--log-level", "INFO"])  # one or the other
