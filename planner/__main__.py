@@ -211,6 +211,7 @@ def cmd_profile(args) -> int:
     from planner.measure import server_ceiling_from_bench
 
     setup_logging("planner profile", args.log_level)
+    args.instances = args.instances or [1]
     ceiling, source = server_ceiling_from_bench()
     out = Path(args.out)
     profile = measure_with_progress(args, out / f"profile-{args.model}", server_ceiling_rps=ceiling,
@@ -220,6 +221,14 @@ def cmd_profile(args) -> int:
     path = profile.save(out / f"profile-{args.model}.json")
     print(f"profile written: {path}")
     return 0
+
+
+def configs_instance_counts(model: str, names: list[str]) -> list[int]:
+    """The distinct instance counts (planner.pbtxt.instance_count) of `model`'s configs `names`
+    ("default" or configs/<name>.pbtxt), ascending: the profile validate needs to predict every one."""
+    from planner.pbtxt import instance_count, load_config
+    from planner.validate import config_path
+    return sorted({instance_count(load_config(config_path(model, name))) for name in names})
 
 
 def cmd_validate(args) -> int:
@@ -241,6 +250,7 @@ def cmd_validate(args) -> int:
     if args.profile:
         profile = Profile.load(args.profile)
     else:
+        args.instances = args.instances or configs_instance_counts(args.model, args.configs)
         ceiling, source = server_ceiling_from_bench()
         profile = measure_with_progress(args, out / "profile", server_ceiling_rps=ceiling)
         profile.extra["server_ceiling_source"] = source
@@ -329,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--model", default="resnet18_onnx", help="model of the repository (default resnet18_onnx)")
         p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                        help="batch sizes to profile, images per execution (default 1 2 4 8 16 32)")
-        p.add_argument("--instances", type=int, nargs="+", default=[1],
-                       help="instance counts to profile, one server start each (default 1)")
+        p.add_argument("--instances", type=int, nargs="+",
+                       help="instance counts to profile, one server start each (default: profile 1; "
+                            "validate the counts of the --configs' instance groups)")
         p.add_argument("--executions", type=int, default=12, help="back-to-back executions per size (default 12)")
         p.add_argument("--out", type=Path, default=DEFAULT_OUT / command,
                        help=f"results folder (default results/planner/{command})")

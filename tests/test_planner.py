@@ -406,3 +406,12 @@ def test_validate_and_profile_take_a_log_level(capsys):
     assert "--log-level" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         planner_main(["profile", "-v", "--log-level", "INFO"])  # one or the other
+
+
+def test_validate_profiles_the_instance_counts_of_the_configs_it_validates():
+    from planner.__main__ import configs_instance_counts
+
+    # config.pbtxt runs 2 rate-limited instances, latency 1, throughput 2: a profile of 1 alone
+    # could not predict the default (validate used to stop with a KeyError after its profile).
+    assert configs_instance_counts("resnet18_onnx", ["default", "throughput"]) == [2]
+    assert configs_instance_counts("resnet18_onnx", ["latency", "throughput", "default"]) == [1, 2]
