@@ -89,15 +89,6 @@ def provenance(source: r18.WeightsSource, diffs: dict[str, float], int8: dict) -
     }
 
 
-def outdated_reason() -> str | None:
-    """Why the exported files present do not match this code (an export made before they carried every
-    output of r18.OUTPUT_NAMES), or None when they do. Reads the provenance record next to the exports."""
-    recorded = json.loads(artifacts.PROVENANCE_PATHS[0].read_text()).get("outputs", [r18.OUTPUT_NAME])
-    if recorded != list(r18.OUTPUT_NAMES):
-        return f"the exported files have outputs {recorded}, this code serves {list(r18.OUTPUT_NAMES)}"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     check_labels()
     if args.if_missing and not artifacts.missing_artifacts():
-        reason = outdated_reason()
+        reason = artifacts.outdated_reason()
         if reason is None:
             print("export: artifacts present, nothing to do (run without --if-missing to re-export)")
             return 0

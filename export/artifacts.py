@@ -38,6 +38,18 @@ def missing_artifacts() -> list[Path]:
     """Return the generated files the model repository still lacks (empty when export has run)."""
     return [path for path in GENERATED if not path.is_file()]
 
+
+def outdated_reason() -> str | None:
+    """Why the exported files present do not fit the served code (an export made before the files carried
+    every output of runtimes().OUTPUT_NAMES), or None when they do; read from the provenance record."""
+    import json
+
+    recorded = json.loads(PROVENANCE_PATHS[0].read_text()).get("outputs", ["logits"])
+    expected = list(runtimes().OUTPUT_NAMES)
+    if recorded != expected:
+        return f"the exported files have outputs {recorded}, this code serves {expected}"
+    return None
+
 #: Code of the served models that in-process code runs too, by module name -> its file in the repository:
 #: the preprocess model's decode/transform and the network models' runtime loaders.
 SERVED_MODULES = {

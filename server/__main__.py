@@ -27,7 +27,7 @@ import sys
 import threading
 from pathlib import Path
 
-from export.artifacts import MODEL_REPOSITORY, REPO_ROOT, missing_artifacts
+from export.artifacts import MODEL_REPOSITORY, REPO_ROOT, missing_artifacts, outdated_reason
 from server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ServerConfig
 from server.server_log import CudaNoticeFilter, LogFollower
 from server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
@@ -39,10 +39,12 @@ LOG_TAIL_MARK = "; server log tail:"
 
 
 def ensure_exported() -> None:
-    """Run `python -m export` when any generated model file is missing (exits on export failure)."""
+    """Run `python -m export` when any generated model file is missing or the exports predate an output
+    the served code needs (exits on export failure)."""
     missing = missing_artifacts()
-    if missing:
-        print(f"serve: {len(missing)} model files missing, running the export first")
+    reason = f"{len(missing)} model files missing" if missing else outdated_reason()
+    if reason:
+        print(f"serve: {reason}, running the export first")
         subprocess.run([sys.executable, "-m", "export"], check=True)
 
 

@@ -77,13 +77,11 @@ def test_random_init_is_reproducible_from_its_seed():
 
 
 def test_exports_made_before_the_probabilities_output_are_re_exported(tmp_path, monkeypatch):
-    from export.__main__ import outdated_reason
-
-    assert outdated_reason() is None  # this checkout's exports carry both outputs
+    assert artifacts.outdated_reason() is None  # this checkout's exports carry both outputs
     record = json.loads(artifacts.PROVENANCE_PATHS[0].read_text())
     del record["outputs"]  # as written by an export of the logits alone
     old = tmp_path / "provenance.json"
     old.write_text(json.dumps(record))
     monkeypatch.setattr(artifacts, "PROVENANCE_PATHS", (old,))
-    assert outdated_reason() == ("the exported files have outputs ['logits'], this code serves "
+    assert artifacts.outdated_reason() == ("the exported files have outputs ['logits'], this code serves "
                                  "['logits', 'probabilities']")
