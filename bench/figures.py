@@ -286,8 +286,8 @@ def _pipeline(folder: Path | None) -> tuple[Path, plt.Figure]:
 
 def _tensor(folder: Path | None) -> tuple[Path, plt.Figure]:
     path, summary = _summary_with(folder or newest_bench_folder(RESULTS, "configs"), "configs")
-    title = (f"{summary['model']} tensor sweeps: infer/s vs p99 latency per config "
-             f"(measured {_date_of(path, summary.get('started_utc'))})")
+    title = (f"{summary['model']} tensor sweeps: infer/s vs p99 latency per config\n"
+             f"(labels: concurrency; measured {_date_of(path, summary.get('started_utc'))})")
     return path, throughput_vs_p99_figure(summary, title)
 
 
