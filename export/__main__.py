@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="images to calibrate the INT8 model on, any Pillow format, searched recursively "
                              "(default: the sample photos; a few hundred of your own traffic's images are better)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="export: %(message)s")
+    # The export's own messages at INFO; the libraries' (ONNX Runtime's quantization logs every tensor it
+    # copies) only from WARNING up.
+    logging.basicConfig(level=logging.WARNING, format="export: %(message)s")
+    logging.getLogger("export").setLevel(logging.INFO)
     # torch marks the TorchScript tracer and ONNX exporter used here as deprecated; they are pinned.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.onnx|__main__|export")
