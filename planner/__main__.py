@@ -238,6 +238,10 @@ def cmd_validate(args) -> int:
     from planner.validate import add_predictions, format_table, validate_config
 
     setup_logging("planner validate", args.log_level)
+    from planner.validate import config_path
+    for name in args.configs:  # before minutes of profiling, not after
+        if not config_path(args.model, name).is_file():
+            raise FileNotFoundError(f"--configs {name}: no such config: {config_path(args.model, name)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.predict_only:
@@ -374,7 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_scale)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    from google.protobuf.text_format import ParseError
+    try:
+        return args.func(args)
+    except (FileNotFoundError, IsADirectoryError, json.JSONDecodeError, ParseError, ValueError) as exc:
+        # a missing or unreadable input named on the command line (profile, config, trace, validation.json)
+        print(f"planner {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -171,7 +171,12 @@ class Profile:
 
     @classmethod
     def load(cls, path: Path) -> "Profile":
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read a profile written by `save` (python -m planner profile). Raises FileNotFoundError, or
+        ValueError naming the file when it is not JSON."""
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a profile JSON file ({exc})") from None
 
 
 def constant_profile(exec_ms: float, max_batch: int, model: str = "constant", overhead_us: float = 0.0,

@@ -415,3 +415,18 @@ def test_validate_profiles_the_instance_counts_of_the_configs_it_validates():
     # could not predict the default (validate used to stop with a KeyError after its profile).
     assert configs_instance_counts("resnet18_onnx", ["default", "throughput"]) == [2]
     assert configs_instance_counts("resnet18_onnx", ["latency", "throughput", "default"]) == [1, 2]
+
+
+@pytest.mark.parametrize("args, named", [
+    (["validate", "--configs", "nosuch"], "nosuch.pbtxt"),
+    (["simulate", "--profile", "{missing}", "--rate", "10"], "missing.json"),
+    (["simulate", "--profile", "{not_json}", "--rate", "10"], "not_json.json: not a profile JSON file"),
+])
+def test_bad_inputs_are_one_line_and_exit_2(args, named, tmp_path, capsys):
+    from planner.__main__ import main
+
+    (tmp_path / "not_json.json").write_text("{")
+    args = [a.format(missing=tmp_path / "missing.json", not_json=tmp_path / "not_json.json") for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
