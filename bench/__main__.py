@@ -265,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     args.rate_fractions = (0.7,) if args.quick else (0.3, 0.7, 0.9)
     args.rate_configs = ("default",) if args.quick else ("default", "throughput")
     names = [] if args.skip_tensor_sweeps else args.configs or config_names(args.model)
+    unknown = sorted(set(names) - {"default", *config_names(args.model)})
+    if unknown:
+        parser.error(f"--configs: no such config of {args.model}: {', '.join(unknown)} "
+                     f"(one of {', '.join(config_names(args.model))})")
     try:
         pipeline = None if args.skip_pipeline else replace(pipeline_options(
             args.quick, args.pipeline_variants, None if args.quick else args.measurement_ms),

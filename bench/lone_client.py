@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if not variant_exists(args.variant):
         print(f"bench.lone_client: no configs/{args.variant}.pbtxt in the model repository", file=sys.stderr)
         return 2
+    if args.served_repository is not None and not (args.served_repository / "resnet18_onnx").is_dir():
+        print(f"bench.lone_client: --served-repository: no model repository with resnet18_onnx at "
+              f"{args.served_repository}", file=sys.stderr)
+        return 2
     if args.seconds <= 0 or args.inprocess_s <= 0:
         print("bench.lone_client: --seconds and --inprocess-s must be > 0", file=sys.stderr)
         return 2

@@ -76,11 +76,11 @@ def percentiles_ms(latencies_s: list[float]) -> dict[str, float]:
 async def main_async(args: argparse.Namespace) -> int:
     images = [p.read_bytes() for p in sample_photos()]
     retry = RetryPolicy(deadline_s=args.deadline_s)
-    before = {m: model_counters(args.metrics_url, m) for m in BATCHED_MODELS}
     async with AsyncTritonClassifierClient(args.url, args.protocol, retry=retry) as client:
         if not await client.is_model_ready(ENSEMBLE_MODEL):
             print(f"async_pipeline: model '{ENSEMBLE_MODEL}' is not ready at {args.url}", file=sys.stderr)
             return 2
+        before = {m: model_counters(args.metrics_url, m) for m in BATCHED_MODELS}
         started = time.perf_counter()
         latencies, failures = await run_pipeline(client, images, args.requests, args.rate,
                                                  args.max_in_flight, args.seed)
@@ -115,8 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=60.0, help="per request, retries included")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     args = parser.parse_args(argv)
+    if args.requests < 1 or args.max_in_flight < 1 or args.rate < 0 or args.deadline_s <= 0:
+        parser.error("--requests and --max-in-flight must be >= 1, --rate >= 0, --deadline-s > 0")
     args.url = args.url or DEFAULT_URLS[args.protocol]
-    return asyncio.run(main_async(args))
+    try:
+        return asyncio.run(main_async(args))
+    except InferenceError as exc:
+        print(f"async_pipeline: {args.protocol} server at {args.url}: {exc.message}", file=sys.stderr)
+    except OSError as exc:  # the metrics endpoint (urllib.error.URLError is an OSError)
+        print(f"async_pipeline: cannot read the metrics at {args.metrics_url}: {exc}", file=sys.stderr)
+    except ValueError as exc:  # client.urls.host_port
+        print(f"async_pipeline: --url: {exc}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
