@@ -92,10 +92,6 @@ class SimResult:
         executions = sum(self.batches.values())
         return sum(b * n for b, n in self.batches.items()) / executions if executions else 0.0
 
-    @property
-    def failed_fraction(self) -> float:
-        return (self.refused + self.timed_out) / self.arrivals if self.arrivals else 0.0
-
     def summary(self) -> dict:
         return {"offered_rps": self.offered_rps, "throughput_rps": self.throughput_rps,
                 "p50_ms": self.percentile_ms(50), "p90_ms": self.percentile_ms(90),

@@ -58,11 +58,6 @@ def queue_limits(repositories: tuple[Path, ...], config_name: str | None = None)
     return sizes
 
 
-def max_queue_sizes(repositories: tuple[Path, ...], config_name: str | None = None) -> dict[str, int]:
-    """{model: max_queue_size} of `queue_limits`."""
-    return {model: limit.max_queue_size for model, limit in queue_limits(repositories, config_name).items()}
-
-
 def queue_fill(metrics_url: str, sizes: dict[str, int], timeout_s: float = 2.0) -> dict[str, float]:
     """{model: pending requests / max_queue_size} now (0.0 .. 1.0). Raises OSError when the metrics
     endpoint cannot be reached."""
