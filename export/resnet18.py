@@ -141,6 +141,24 @@ def export_torchscript(model: torch.nn.Module, path: Path) -> None:
     traced.save(str(path))
 
 
+def eager_logits(model: torch.nn.Module, batch: np.ndarray) -> np.ndarray:
+    """Logits FP32 [N, 1000] of eager torch `model` for FP32 [N, 3, 224, 224] `batch`: the reference every
+    export and served model is compared with."""
+    with torch.inference_mode():
+        return model(torch.from_numpy(batch)).numpy()
+
+
+def torchvision_eval_transform():
+    """torchvision's ImageNet eval transform (resize 256, center crop 224, to [0, 1], normalize with the
+    ImageNet mean/std): PIL image -> FP32 tensor [3, 224, 224], the reference the preprocess model
+    reproduces (its tolerances: tests/test_preprocess.py)."""
+    from torchvision import transforms
+
+    return transforms.Compose([
+        transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
+        transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+
+
 def parity_batch(batch_size: int = 4, seed: int = 1234) -> np.ndarray:
     """A fixed FP32 [batch_size, 3, 224, 224] batch of standard-normal values (normalized-image scale)."""
     return np.random.default_rng(seed).standard_normal((batch_size, *IMAGE_SHAPE), dtype=np.float32)

@@ -79,6 +79,12 @@ class ServerConfig:
         """host:port for gRPC clients."""
         return f"{_client_host(self.host)}:{self.grpc_port}"
 
+    def url(self, protocol: str) -> str:
+        """host:port for clients of `protocol` ("http" or "grpc"); ValueError for another."""
+        if protocol not in ("http", "grpc"):
+            raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
+        return self.http_url if protocol == "http" else self.grpc_url
+
     @property
     def metrics_url(self) -> str:
         """The Prometheus metrics endpoint (http://host:port/metrics)."""

@@ -1,20 +1,21 @@
-"""Fixtures: a real tritonserver on free ports for the whole session, clients for both protocols."""
+"""Fixtures: a real tritonserver on free ports for the whole session, clients for both protocols.
+Test files share code through these fixtures and the product's public modules, never by importing
+this file or each other."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from client.classifier import TritonClassifierClient
 from client.errors import InvalidInputError
+from client.urls import PROTOCOLS
 from export.artifacts import PROVENANCE_PATHS, missing_artifacts
 from export.resnet18 import model_from_spec
-from server.embedded import EmbeddedTritonServer, config_on_free_ports, free_ports  # noqa: F401
+from server.embedded import EmbeddedTritonServer, config_on_free_ports
 
-PROTOCOLS = ("http", "grpc")
 #: Test-only models (e.g. resnet18_slow_stub), served beside the product's model repository.
 TEST_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
 
@@ -31,8 +32,10 @@ def triton_server(tmp_path_factory):
     server.stop()
 
 
-def url_for(server: EmbeddedTritonServer, protocol: str) -> str:
-    return server.config.http_url if protocol == "http" else server.config.grpc_url
+@pytest.fixture(scope="session")
+def test_model_repository() -> Path:
+    """The folder of the test-only models (served beside the product's repository)."""
+    return TEST_MODEL_REPOSITORY
 
 
 @pytest.fixture(params=PROTOCOLS)
@@ -42,7 +45,7 @@ def protocol(request) -> str:
 
 @pytest.fixture
 def client(triton_server, protocol):
-    with TritonClassifierClient(url_for(triton_server, protocol), protocol) as c:
+    with TritonClassifierClient(triton_server.config.url(protocol), protocol) as c:
         yield c
 
 
@@ -52,14 +55,12 @@ def eager_model() -> torch.nn.Module:
     return model_from_spec(json.loads(PROVENANCE_PATHS[0].read_text())["weights"])
 
 
-def eager_logits(model: torch.nn.Module, batch: np.ndarray) -> np.ndarray:
-    with torch.inference_mode():
-        return model(torch.from_numpy(batch)).numpy()
-
-
-def assert_invalid_argument(exc, protocol: str) -> None:
-    """A client.errors.InvalidInputError carrying HTTP 400 or gRPC INVALID_ARGUMENT, as Triton reports
-    bad input."""
-    expected = "400" if protocol == "http" else "StatusCode.INVALID_ARGUMENT"
-    assert isinstance(exc, InvalidInputError), f"{type(exc).__name__}: {exc}"
-    assert exc.status == expected, f"status {exc.status} (expected {expected}): {exc.message}"
+@pytest.fixture(scope="session")
+def assert_invalid_argument():
+    """assert_invalid_argument(exc, protocol): exc is a client.errors.InvalidInputError carrying HTTP 400
+    or gRPC INVALID_ARGUMENT, as Triton reports bad input."""
+    def check(exc, protocol: str) -> None:
+        expected = "400" if protocol == "http" else "StatusCode.INVALID_ARGUMENT"
+        assert isinstance(exc, InvalidInputError), f"{type(exc).__name__}: {exc}"
+        assert exc.status == expected, f"status {exc.status} (expected {expected}): {exc.message}"
+    return check

@@ -10,9 +10,8 @@ from client.classifier import TritonClassifierClient
 from client.errors import InvalidInputError, from_triton
 from client.samples import sample_photos
 from export.artifacts import ONNX_MODEL, TORCHSCRIPT_MODEL
-from export.resnet18 import PARITY_ATOL, PARITY_RTOL, parity_batch
+from export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch
 
-from conftest import assert_invalid_argument, eager_logits, url_for
 
 BAD_IMAGES = [
     ("empty", lambda: b"", "empty image"),
@@ -30,7 +29,8 @@ def assert_still_serving(client, eager_model) -> None:
 
 
 @pytest.mark.parametrize("name,make_data,message", BAD_IMAGES, ids=[b[0] for b in BAD_IMAGES])
-def test_bad_image_is_invalid_argument_naming_the_problem(client, eager_model, name, make_data, message):
+def test_bad_image_is_invalid_argument_naming_the_problem(client, eager_model, name, make_data, message,
+                                                          assert_invalid_argument):
     with pytest.raises(InvalidInputError) as info:
         client.classify([make_data()])
     assert_invalid_argument(info.value, client.protocol)
@@ -59,7 +59,7 @@ BAD_TENSORS = [
 @pytest.mark.parametrize("model", [ONNX_MODEL, TORCHSCRIPT_MODEL])
 @pytest.mark.parametrize("name,array,datatype,message", BAD_TENSORS, ids=[b[0] for b in BAD_TENSORS])
 def test_bad_tensor_is_invalid_argument_naming_the_problem(client, eager_model, model, name, array,
-                                                           datatype, message):
+                                                           datatype, message, assert_invalid_argument):
     with pytest.raises(InvalidInputError) as info:
         raw_tensor_request(client, model, array, datatype)
     assert_invalid_argument(info.value, client.protocol)
@@ -67,10 +67,10 @@ def test_bad_tensor_is_invalid_argument_naming_the_problem(client, eager_model, 
     assert_still_serving(client, eager_model)
 
 
-def test_corrupt_image_fails_only_its_own_request_in_a_batch(triton_server, protocol):
+def test_corrupt_image_fails_only_its_own_request_in_a_batch(triton_server, protocol, assert_invalid_argument):
     """One corrupt image among concurrent good ones: the dynamic batcher puts them in the same
     execute() calls, and only the corrupt request fails."""
-    url = url_for(triton_server, protocol)
+    url = triton_server.config.url(protocol)
     good = [p.read_bytes() for p in sample_photos()]
     payloads = good + [b"\xff\xd8\xff corrupt"] + good  # the bad one in the middle of the burst
     with TritonClassifierClient(url, protocol) as reference:

@@ -21,10 +21,10 @@ from client.classifier import AsyncTritonClassifierClient, TritonClassifierClien
 from client.errors import DeadlineExceededError, QueueFullError
 from client.samples import sample_photos
 from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT
-from export.resnet18 import PARITY_ATOL, PARITY_RTOL, parity_batch
+from client.urls import PROTOCOLS
+from export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
+from server.embedded import free_ports
 
-from conftest import PROTOCOLS, eager_logits, free_ports, url_for
-from test_inference import TORCHVISION_EVAL
 
 STUB_MODEL = "resnet18_slow_stub"  # tests/model_repository: sleeps 100 ms per execution, queue of 1
 APIS = ("sync", "asyncio")
@@ -54,7 +54,7 @@ class BlockingView:
 
 
 def make_client(server, protocol: str, api: str, **options):
-    url = url_for(server, protocol)
+    url = server.config.url(protocol)
     if api == "sync":
         return TritonClassifierClient(url, protocol, **options)
     return BlockingView(url, protocol, **options)
@@ -71,7 +71,7 @@ def any_client(request, triton_server):
 @pytest.fixture(scope="session")
 def photos_and_eager_top5(eager_model):
     photos = sample_photos()
-    batch = torch.stack([TORCHVISION_EVAL(Image.open(p).convert("RGB")) for p in photos]).numpy()
+    batch = torch.stack([torchvision_eval_transform()(Image.open(p).convert("RGB")) for p in photos]).numpy()
     top5 = np.argsort(-eager_logits(eager_model, batch), axis=1)[:, :5]
     return [p.read_bytes() for p in photos], top5.tolist()
 
@@ -146,7 +146,7 @@ def test_queue_full_refusals_are_retried_until_all_succeed(triton_server, protoc
     started = time.monotonic()
     if api == "sync":
         def send(batch):
-            with TritonClassifierClient(url_for(triton_server, protocol), protocol, retry=retry) as c:
+            with TritonClassifierClient(triton_server.config.url(protocol), protocol, retry=retry) as c:
                 return c.infer_tensor(batch, model=STUB_MODEL), c.retries
 
         with ThreadPoolExecutor(max_workers=burst) as pool:
@@ -154,7 +154,7 @@ def test_queue_full_refusals_are_retried_until_all_succeed(triton_server, protoc
         results, retries = [o[0] for o in outcomes], sum(o[1] for o in outcomes)
     else:
         async def burst_of_requests():
-            async with AsyncTritonClassifierClient(url_for(triton_server, protocol), protocol,
+            async with AsyncTritonClassifierClient(triton_server.config.url(protocol), protocol,
                                                    retry=retry) as c:
                 answers = await asyncio.gather(*(c.infer_tensor(b, model=STUB_MODEL) for b in batches))
                 return answers, c.retries
@@ -169,7 +169,7 @@ def test_queue_full_refusals_are_retried_until_all_succeed(triton_server, protoc
 
 def test_queue_full_without_retry_budget_raises_the_typed_error(triton_server):
     """With no time left for a retry, the refusal itself reaches the caller as QueueFullError."""
-    url = url_for(triton_server, "http")
+    url = triton_server.config.url("http")
     retry = RetryPolicy(initial_backoff_s=5.0, max_backoff_s=5.0, deadline_s=2.0)
     retry.rng.seed(0)  # backoff draws of uniform(0, 5) s: the first three exceed the 2 s budget
 

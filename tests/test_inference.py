@@ -6,20 +6,16 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torchvision import transforms
 
 from client.classifier import TritonClassifierClient, protocol_module
 from client.metrics import model_counters
 from client.samples import sample_photos
 from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL
-from export.resnet18 import PARITY_ATOL, PARITY_RTOL, parity_batch
+from export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
 
-from conftest import eager_logits, url_for
 
 #: torchvision's ImageNet eval transform, the reference the served pipeline must reproduce.
-TORCHVISION_EVAL = transforms.Compose([
-    transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
-    transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+TORCHVISION_EVAL = torchvision_eval_transform()
 
 
 @pytest.mark.parametrize("model", [ONNX_MODEL, TORCHSCRIPT_MODEL])
@@ -46,7 +42,7 @@ def test_photos_through_the_ensemble_give_eager_top5(client, eager_model):
 
 
 def test_concurrent_single_image_requests_are_batched(triton_server, eager_model):
-    url = url_for(triton_server, "grpc")
+    url = triton_server.config.url("grpc")
     before = model_counters(triton_server.config.metrics_url, ONNX_MODEL)
     images = parity_batch(32, seed=99)
 

@@ -9,10 +9,10 @@ import zlib
 import numpy as np
 import pytest
 from PIL import Image
-from torchvision import transforms
 
 from client.samples import sample_photos
 from export.artifacts import MODEL_REPOSITORY, PREPROCESS_MODEL
+from export.resnet18 import torchvision_eval_transform
 
 # The transform lives beside the preprocess model's model.py (the server imports it from there).
 sys.path.insert(0, str(MODEL_REPOSITORY / PREPROCESS_MODEL / "1"))
@@ -42,9 +42,7 @@ def assert_matches_torchvision(actual: np.ndarray, expected: np.ndarray) -> None
     diff = np.abs(actual - expected)
     assert diff.max() <= ONE_LEVEL, f"max |diff| {diff.max():.4f} > one 8-bit level"
     assert diff.mean() <= MEAN_TOLERANCE, f"mean |diff| {diff.mean():.4f}"
-TORCHVISION_EVAL = transforms.Compose([
-    transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
-    transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+TORCHVISION_EVAL = torchvision_eval_transform()
 
 
 def encode(image: Image.Image, fmt: str, **options) -> bytes:

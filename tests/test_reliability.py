@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from client.urls import PROTOCOLS
+
 from bench.reliability import (ANSWERED, REFUSED, TIMED_OUT, burst, onnx_load, queue_timeouts,
                                readiness_under_overload, reference_answers, refusal_latency)
-from conftest import PROTOCOLS
 
 #: A single request refused because the queue is full is answered within this bound (measured: a few
 #: ms; 50 ms leaves margin for a noisy 2-core machine whose cores ResNet-18 keeps busy meanwhile).
@@ -105,14 +106,13 @@ def test_ready_stays_true_while_the_queue_is_full_and_the_queue_gauge_shows_it(t
     assert result["pending_after"] == 0
 
 
-def test_supervisor_warns_when_a_queue_is_nearly_full(triton_server):
+def test_supervisor_warns_when_a_queue_is_nearly_full(triton_server, test_model_repository):
     """The overload warning `serve` logs, from the same gauge, without a new endpoint."""
     import threading
 
     from server.overload import QueueWatch, queue_limits
-    from conftest import TEST_MODEL_REPOSITORY
 
-    watch = QueueWatch({"reliability_echo": queue_limits((TEST_MODEL_REPOSITORY,))["reliability_echo"]})
+    watch = QueueWatch({"reliability_echo": queue_limits((test_model_repository,))["reliability_echo"]})
     assert watch.warnings(triton_server.config.metrics_url) == []  # idle
     warnings: list[str] = []
     stop = threading.Event()

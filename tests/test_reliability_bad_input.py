@@ -19,9 +19,9 @@ from tritonclient.utils import InferenceServerException
 from bench.reliability import (ANSWERED, INVALID, MiB, MemorySampler, bad_input_corpus, classify_error,
                                odd_images, send_image)
 from client.classifier import protocol_module
+from client.urls import PROTOCOLS
 from client.samples import sample_photos
 from export.artifacts import MODEL_REPOSITORY, PREPROCESS_MODEL
-from conftest import PROTOCOLS, url_for
 
 sys.path.insert(0, str(MODEL_REPOSITORY / PREPROCESS_MODEL / "1"))
 import image_transform  # noqa: E402
@@ -36,7 +36,7 @@ MEMORY_GROWTH_BOUND = 256 * MiB
 def assert_ready_and_correct(server, protocol: str) -> None:
     """The server is ready and answers a real photo exactly as the local transform says."""
     module = protocol_module(protocol)
-    client = module.InferenceServerClient(url_for(server, protocol))
+    client = module.InferenceServerClient(server.config.url(protocol))
     try:
         assert client.is_server_ready()
         photo = sample_photos()[1].read_bytes()
@@ -75,7 +75,7 @@ def test_odd_but_valid_images_are_answered_like_the_local_transform(triton_serve
     """Grayscale, RGBA, palette, CMYK, 16-bit, animated GIF (first frame), EXIF-rotated: each succeeds
     through `preprocess` with the tensor the transform gives locally."""
     module = protocol_module(protocol)
-    client = module.InferenceServerClient(url_for(triton_server, protocol))
+    client = module.InferenceServerClient(triton_server.config.url(protocol))
     try:
         for name, data in odd_images().items():
             pixels = send_image(client, module, PREPROCESS_MODEL, data, "pixels").as_numpy("pixels")
@@ -88,7 +88,7 @@ def _outcome(server, protocol: str, data: bytes):
     """(kind, status, message) of sending `data` to `preprocess` on a fresh client; pixels checked when
     answered."""
     module = protocol_module(protocol)
-    client = module.InferenceServerClient(url_for(server, protocol))
+    client = module.InferenceServerClient(server.config.url(protocol))
     try:
         pixels = send_image(client, module, PREPROCESS_MODEL, data, "pixels").as_numpy("pixels")
     except InferenceServerException as exc:
