@@ -283,13 +283,3 @@ def test_printed_predictions_carry_the_random_weights_mark():
                       "  1. tabby                           87.34 %  (logit   2.500, class 281) [random weights]"]
     assert "random" not in format_predictions("cat.png", predictions)
 
-
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_async_pipeline_without_a_server_is_one_line_and_exit_2(protocol):
-    (port,) = free_ports(1)
-    result = subprocess.run([sys.executable, "-m", "client.async_pipeline", "--protocol", protocol,
-                             "--url", f"127.0.0.1:{port}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.startswith(f"async_pipeline: {protocol} server at 127.0.0.1:{port}: ")
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

@@ -1,0 +1,32 @@
+"""Command lines given bad arguments or no server: one line naming the problem, a non-zero exit, no
+traceback (each command run as a user runs it, in a subprocess)."""
+import subprocess
+import sys
+
+import pytest
+
+from client.urls import PROTOCOLS
+from export.artifacts import REPO_ROOT
+from server.embedded import free_ports
+
+
+@pytest.mark.parametrize("command, message", [
+    (["bench", "--configs", "nosuch", "--quick"], "--configs: no such config of resnet18_onnx: nosuch"),
+    (["bench.lone_client", "--served-repository", "/nonexistent"], "--served-repository: no model repository"),
+])
+def test_bench_commands_refuse_bad_arguments_in_one_line(command, message):
+    result = subprocess.run([sys.executable, "-m", *command], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_async_pipeline_without_a_server_is_one_line_and_exit_2(protocol):
+    (port,) = free_ports(1)
+    result = subprocess.run([sys.executable, "-m", "client.async_pipeline", "--protocol", protocol,
+                             "--url", f"127.0.0.1:{port}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"async_pipeline: {protocol} server at 127.0.0.1:{port}: ")
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
