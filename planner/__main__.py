@@ -184,15 +184,6 @@ def profile_runs(batch_sizes: list[int], instances: list[int], speed_under_load:
     return len(instances) * (len(batch_sizes) + speed) + 1
 
 
-def profile_status(progress: Progress):
-    """measure_profile's progress(message) callback on a Progress over `profile_runs`: a repeated
-    measurement is a WARNING, a server start INFO, every other line one measurement done."""
-    def status(message: str) -> None:
-        again = "measuring again" in message
-        progress(message, warning=again, step=not again and "starting tritonserver" not in message)
-    return status
-
-
 def measure_with_progress(args, out_dir: Path, **options) -> Profile:
     """measure_profile for the profile/validate arguments, with a bar over its measurements (runs)."""
     from planner.measure import measure_profile
@@ -203,7 +194,7 @@ def measure_with_progress(args, out_dir: Path, **options) -> Profile:
     with Progress(total, "run", "profile", log) as progress:
         return measure_profile(args.model, tuple(args.batch_sizes), tuple(args.instances), out_dir,
                                executions=args.executions, speed_under_load=not args.no_speed,
-                               progress=profile_status(progress), **options)
+                               progress=progress, **options)
 
 
 def cmd_profile(args) -> int:
@@ -235,10 +226,9 @@ def cmd_validate(args) -> int:
     """`validate`: profile, then every config x level against the simulation; writes validation.json and
     validation.md into --out and prints the tables (starts tritonserver; about 20 minutes by default)."""
     from planner.measure import server_ceiling_from_bench
-    from planner.validate import add_predictions, format_table, validate_config
+    from planner.validate import add_predictions, config_path, format_table, validate_config
 
     setup_logging("planner validate", args.log_level)
-    from planner.validate import config_path
     for name in args.configs:  # before minutes of profiling, not after
         if not config_path(args.model, name).is_file():
             raise FileNotFoundError(f"--configs {name}: no such config: {config_path(args.model, name)}")

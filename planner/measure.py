@@ -40,6 +40,7 @@ import numpy as np
 from bench.machine import machine_info
 from bench.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, LoadSpec, PerfAnalyzerError, command, load_profile_export,
                                  parse_csv, run_level, run_perf_analyzer)
+from bench.progress import log_status
 from bench.server_stats import ExecutionSampler, model_statistics, statistics_delta
 from export.artifacts import MODEL_REPOSITORY, REPO_ROOT
 from planner.batcher import BatcherConfig
@@ -130,7 +131,7 @@ def run_fixed_batch(url: str, model: str, batch: int, concurrency: int, requests
 
 def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec1_ms: float, out_dir: Path,
                   row_bytes: int, session_id: int | None = None,
-                  progress=print) -> tuple[tuple[SpeedTrace, ...], dict]:
+                  progress=log_status) -> tuple[tuple[SpeedTrace, ...], dict]:
     """The speed traces of one instance count (module doc). Closed-loop runs (SPEED_CLOSED_SECONDS)
     alternate with open-loop runs at each SPEED_UTILIZATIONS fraction of the batch-1 capacity
     (instances / exec1_ms): closed, 25%, closed, 50%, closed, 75%, closed. An open run's factors are
@@ -171,21 +172,23 @@ def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec
         progress(f"profile: {instances} instance(s), speed at {utilization:.0%} load: mean execution "
                  f"{means[k]:.1f} ms = x{means[k] / baseline_ms:.2f} the closed-loop runs around it "
                  f"({means[k - 1]:.1f}, {means[k + 1]:.1f} ms); windows x{min(factors, default=0):.2f}"
-                 f"..x{max(factors, default=0):.2f}")
+                 f"..x{max(factors, default=0):.2f}", step=True)
     progress(f"profile: {instances} instance(s), closed loop: mean execution {closed_ms:.1f} ms, windows "
-             f"x{min(closed, default=0):.2f}..x{max(closed, default=0):.2f}")
+             f"x{min(closed, default=0):.2f}..x{max(closed, default=0):.2f}", step=True)
     return tuple(sorted(traces, key=lambda t: t.utilization)), details
 
 
 def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: tuple[int, ...], out_dir: Path,
                     executions: int = 12, server_ceiling_rps: float = 0.0,
                     source_repository: Path = MODEL_REPOSITORY, speed_under_load: bool = True,
-                    progress=print) -> Profile:
+                    progress=log_status) -> Profile:
     """Measure `model`'s profile for each instance count (one server start each) and batch size, and
     (speed_under_load, with batch 1 among the sizes) its speed traces (`measure_speed`).
 
     executions: back-to-back executions measured per instance and batch size (after 2 discarded).
-    Writes perf_analyzer's files under out_dir/<instances>x/b<B>/ and returns the Profile.
+    Writes perf_analyzer's files under out_dir/<instances>x/b<B>/ and returns the Profile. Status lines go
+    to progress(message, warning=, step=) (bench.progress): step for each finished measurement (what
+    planner.__main__.profile_runs counts), warning for a measurement repeated because of other load.
     """
     started = datetime.datetime.now(datetime.timezone.utc)
     row_bytes = output_row_bytes(load_config(source_repository / model / "config.pbtxt"))
@@ -216,7 +219,7 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
                     if cpu_share["foreign"] <= MAX_FOREIGN_SHARE or attempt == MAX_ATTEMPTS:
                         break
                     progress(f"profile: batch {batch}: other processes took {cpu_share['foreign']:.0%} of the "
-                             f"cores; measuring again (attempt {attempt + 1})")
+                             f"cores; measuring again (attempt {attempt + 1})", warning=True)
                 # Steady state: the gaps between consecutive responses after the first WARMUP_RESPONSES
                 # (first executions of a shape are slower: allocations). n instances complete one request
                 # every cycle / n on average.
@@ -233,7 +236,7 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
                     "attempts": attempt}
                 progress(f"profile: {instances} instance(s), batch {batch}: cycle {cycle_s * 1e3:.1f} ms "
                          f"(server compute {server_exec_ms:.1f} ms); CPU ours {cpu_share['ours']:.0%}, "
-                         f"others {cpu_share['foreign']:.0%}, steal {cpu_share['steal']:.0%}")
+                         f"others {cpu_share['foreign']:.0%}, steal {cpu_share['steal']:.0%}", step=True)
             if instances == min(instance_counts):
                 for attempt in range(1, MAX_ATTEMPTS + 1):
                     wait_until_quiet(session_id=server.process.pid)
@@ -245,7 +248,8 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
                 overhead_us = max(0.0, (lone_ms - timings[instances][1].mean_ms) * 1e3) if 1 in timings[
                     instances] else 0.0
                 details["lone_request_p50_ms"] = lone_ms
-                progress(f"profile: lone batch-1 request p50 {lone_ms:.1f} ms -> overhead {overhead_us:.0f} us")
+                progress(f"profile: lone batch-1 request p50 {lone_ms:.1f} ms -> overhead {overhead_us:.0f} us",
+                         step=True)
             if speed_under_load and 1 in timings[instances]:
                 speed[instances], details.setdefault("speed_under_load", {})[str(instances)] = measure_speed(
                     url, http, model, instances, timings[instances][1].mean_ms, level_dir / "speed", row_bytes,

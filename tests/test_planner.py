@@ -384,17 +384,23 @@ def test_progress_counts_steps_and_logs_each_with_its_eta(caplog):
 
 def test_profile_progress_counts_the_measurements_measure_profile_reports():
     from bench.progress import Progress
-    from planner.__main__ import profile_runs, profile_status
+    import inspect
+
+    from planner import measure
+    from planner.__main__ import profile_runs
 
     # 6 batch sizes + the lone request + speed at 25/50/75% + the closed loop: the 11 lines of a default run
     assert profile_runs([1, 2, 4, 8, 16, 32], [1], speed_under_load=True) == 11
     assert profile_runs([1, 2, 4, 8, 16, 32], [1, 2], speed_under_load=False) == 13
+    # measure_profile and measure_speed report each finished measurement as a step (the batch sizes, the
+    # lone request; each speed level and the closed loop), a repeated one as a warning, the start plain.
+    source = inspect.getsource(measure.measure_profile) + inspect.getsource(measure.measure_speed)
+    assert source.count("step=True") == 4 and source.count("warning=True") == 1
     with Progress(3, "run", "profile", disable=True) as progress:
-        status = profile_status(progress)
-        status("profile: 1 instance(s): starting tritonserver")
-        status("profile: batch 2: other processes took 40% of the cores; measuring again (attempt 2)")
-        status("profile: 1 instance(s), batch 2: cycle 45.2 ms (server compute 45.6 ms)")
-        status("profile: lone batch-1 request p50 20.2 ms -> overhead 0 us")
+        progress("profile: 1 instance(s): starting tritonserver")
+        progress("profile: batch 2: other processes took 40% of the cores; measuring again (attempt 2)", warning=True)
+        progress("profile: 1 instance(s), batch 2: cycle 45.2 ms (server compute 45.6 ms)", step=True)
+        progress("profile: lone batch-1 request p50 20.2 ms -> overhead 0 us", step=True)
         assert progress.done == 2
 
 
