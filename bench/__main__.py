@@ -264,11 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     #: Request rates as fractions of the in-process ceiling at max batch (its capacity on this machine).
     args.rate_fractions = (0.7,) if args.quick else (0.3, 0.7, 0.9)
     args.rate_configs = ("default",) if args.quick else ("default", "throughput")
-    names = [] if args.skip_tensor_sweeps else args.configs or config_names(args.model)
-    unknown = sorted(set(names) - {"default", *config_names(args.model)})
+    known = config_names(args.model)
+    names = [] if args.skip_tensor_sweeps else args.configs or known
+    unknown = sorted(set(names) - {"default", *known})
     if unknown:
-        parser.error(f"--configs: no such config of {args.model}: {', '.join(unknown)} "
-                     f"(one of {', '.join(config_names(args.model))})")
+        parser.error(f"--configs: no such config of {args.model}: {', '.join(unknown)} (one of {', '.join(known)})")
     try:
         pipeline = None if args.skip_pipeline else replace(pipeline_options(
             args.quick, args.pipeline_variants, None if args.quick else args.measurement_ms),

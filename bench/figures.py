@@ -44,11 +44,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
+from bench.reliability import RESULTS_DIR as SOAK_RESULTS_DIR  # noqa: E402 (bench.soak's default --out)
 from bench.report import throughput_vs_p99_figure  # noqa: E402
+from export.artifacts import REPO_ROOT  # noqa: E402
 
 log = logging.getLogger("bench.figures")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "results"
 FIGURES_DIR = REPO_ROOT / "docs" / "figures"
 DPI = 100
@@ -308,7 +309,7 @@ def _validation(folder: Path | None) -> tuple[Path, plt.Figure]:
 
 
 def _soak(folder: Path | None) -> tuple[Path, plt.Figure]:
-    folder = folder or RESULTS / "reliability"
+    folder = folder or SOAK_RESULTS_DIR
     if not folder.exists():
         raise Skip(f"no {folder}")
     path = soak_file(folder)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.artifacts import image_transform
+from export.artifacts import image_transform, runtimes
 
 #: Image files accepted in a calibration or evaluation folder (Pillow decodes all of them).
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm")
@@ -120,7 +120,7 @@ def onnx_logits(path: Path, batch: np.ndarray) -> np.ndarray:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run(["logits"], {"input": batch})[0]
+    return session.run([runtimes().OUTPUT_NAMES[0]], {"input": batch})[0]  # the logits
 
 
 def calibration_record(paths: list[Path], source: str) -> dict:

@@ -262,8 +262,9 @@ class EmbeddedTritonServer:
         if not self.log_path or not Path(self.log_path).exists():
             return ""
         text = Path(self.log_path).read_text(errors="replace").splitlines()
-        tail = [line for line in text if not is_cuda_notice(line)][-lines:]
-        if any(map(is_cuda_notice, text)):
+        kept = [line for line in text if not is_cuda_notice(line)]
+        tail = kept[-lines:]
+        if len(kept) < len(text):  # some CUDA notices were left out
             tail.insert(0, f"({cpu_only_explanation(self.log_path)})")
         return "; server log tail:\n" + "\n".join(tail)
 
