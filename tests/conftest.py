@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.classifier import TritonClassifierClient
-from client.errors import InvalidInputError
-from client.urls import PROTOCOLS
-from export.artifacts import PROVENANCE_PATHS, missing_artifacts
-from export.resnet18 import model_from_spec
-from server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client.errors import InvalidInputError
+from resnet18_kit.client.urls import PROTOCOLS
+from resnet18_kit.contract import PROVENANCE_PATHS, missing_artifacts
+from resnet18_kit.export.resnet18 import model_from_spec
+from resnet18_kit.reliability import RELIABILITY_REPOSITORY
+from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 #: Test-only models (e.g. resnet18_slow_stub), served beside the product's model repository.
 TEST_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
@@ -25,7 +26,7 @@ def triton_server(tmp_path_factory):
     missing = missing_artifacts()
     if missing:
         pytest.fail(f"model files missing ({', '.join(map(str, missing))}): run `make export` first")
-    config = config_on_free_ports(extra_model_repositories=(TEST_MODEL_REPOSITORY,))
+    config = config_on_free_ports(extra_model_repositories=(TEST_MODEL_REPOSITORY, RELIABILITY_REPOSITORY))
     server = EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("triton") / "tritonserver.log")
     server.start()
     yield server
@@ -36,6 +37,12 @@ def triton_server(tmp_path_factory):
 def test_model_repository() -> Path:
     """The folder of the test-only models (served beside the product's repository)."""
     return TEST_MODEL_REPOSITORY
+
+
+@pytest.fixture(scope="session")
+def reliability_repository() -> Path:
+    """The reliability scenarios' models (reliability_echo, reliability_timeout), served beside the rest."""
+    return RELIABILITY_REPOSITORY
 
 
 @pytest.fixture(params=PROTOCOLS)

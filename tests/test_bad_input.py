@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from client.classifier import TritonClassifierClient
-from client.errors import InvalidInputError, from_triton
-from client.samples import sample_photos
-from export.artifacts import ONNX_MODEL, TORCHSCRIPT_MODEL
-from export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch
+from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client.errors import InvalidInputError, from_triton
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.contract import ONNX_MODEL, TORCHSCRIPT_MODEL
+from resnet18_kit.export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch
 
 
 BAD_IMAGES = [

@@ -4,13 +4,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.__main__ import levels_for, served_config
-from bench.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, command, load_profile_export,
+from resnet18_kit.bench.__main__ import levels_for, served_config
+from resnet18_kit.load.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, command, load_profile_export,
                                  parse_csv, perf_analyzer_binary, run_level)
-from bench.server_stats import model_statistics, statistics_delta
-from client.classifier import TritonClassifierClient
-from export.artifacts import ONNX_MODEL
-from server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.observe.statistics import model_statistics, statistics_delta
+from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.contract import ONNX_MODEL
+from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 DATA = Path(__file__).parent / "data"
 
@@ -100,7 +100,7 @@ def test_short_real_perf_analyzer_run_is_consistent(triton_server, tmp_path):
 def test_stub_profile_classifies_py_spy_samples(tmp_path):
     """py-spy raw lines ("stack count") from a real `record --idle` of the throughput stub: empty stacks
     are the stub outside Python (waiting for a batch), Session.run is compute, the rest Python around it."""
-    from bench.stub_profile import summarize
+    from resnet18_kit.bench.stub_profile import summarize
 
     raw = tmp_path / "stub.txt"
     raw.write_text(
@@ -117,7 +117,7 @@ def test_a_profile_export_cut_off_keeps_the_complete_requests(tmp_path):
     whole before the cut are kept, the one cut in half is dropped, and the result says it was cut."""
     import json
 
-    from bench.perf_analyzer import latency_stats_us, load_profile_export
+    from resnet18_kit.load.perf_analyzer import latency_stats_us, load_profile_export
 
     requests = [{"timestamp": 1_000_000 * i, "request_inputs": {"INPUT": 0.5},
                  "response_timestamps": [1_000_000 * i + 2000], "response_outputs": [{"OUTPUT": 0.5}]}
@@ -136,7 +136,7 @@ def test_a_profile_export_cut_off_keeps_the_complete_requests(tmp_path):
 
 
 def test_periodic_sampler_samples_at_the_interval_and_at_the_edges_and_drops_none():
-    from bench.server_stats import PeriodicSampler
+    from resnet18_kit.observe.statistics import PeriodicSampler
 
     class Counter(PeriodicSampler):
         calls = 0
@@ -165,7 +165,7 @@ def test_bytes_input_data_holds_each_photo_as_a_length_prefixed_serialized_tenso
     import json
     import struct
 
-    from bench.photos import write_input_data
+    from resnet18_kit.load.photos import write_input_data
 
     payloads = [b"\xff\xd8 not really a jpeg", bytes(range(256)) * 300]  # the second is over 64 KiB
     paths = []
@@ -195,8 +195,8 @@ def test_command_line_with_input_data_and_without_export_or_shared_memory(tmp_pa
 def test_12mp_photo_set_is_the_sample_photos_as_12_megapixel_jpegs_cached(tmp_path):
     from PIL import Image
 
-    from bench.photos import photo_set
-    from client.samples import sample_photos
+    from resnet18_kit.load.photos import photo_set
+    from resnet18_kit.client.samples import sample_photos
 
     paths = photo_set("12mp", tmp_path)
     assert [p.stem for p in paths] == [p.stem for p in sample_photos()]
@@ -218,7 +218,7 @@ def test_concurrent_executions_follow_the_rate_limiter():
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    from bench.pipeline_config import concurrent_executions
+    from resnet18_kit.observe.model_config import concurrent_executions
 
     def config(groups: str):
         return text_format.Parse(groups, model_config_pb2.ModelConfig())
@@ -234,10 +234,10 @@ def test_concurrent_executions_follow_the_rate_limiter():
 def test_inprocess_pipeline_on_two_photos_uses_the_variants_runtime():
     import math
 
-    from bench.pipeline_config import config_parameters, instance_count, variant_config
-    from bench.pipeline_inprocess import PipelineTwin
-    from client.samples import sample_photos
-    from export.artifacts import ONNX_PATH, PREPROCESS_MODEL, runtimes
+    from resnet18_kit.observe.model_config import config_parameters, instance_count, variant_config
+    from resnet18_kit.bench.pipeline_inprocess import PipelineTwin
+    from resnet18_kit.client.samples import sample_photos
+    from resnet18_kit.contract import ONNX_PATH, PREPROCESS_MODEL, runtimes
 
     twin = PipelineTwin("default")
     network = variant_config(ONNX_MODEL, "default")
@@ -258,9 +258,9 @@ def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on
     counted exactly 12 inferences on the ensemble and on each step, in the batches it reports."""
     import re
 
-    from bench.photos import write_input_data
-    from bench.pipeline import STEP_MODELS, measure_pipeline_level
-    from client.samples import sample_photos
+    from resnet18_kit.load.photos import write_input_data
+    from resnet18_kit.bench.pipeline import STEP_MODELS, measure_pipeline_level
+    from resnet18_kit.client.samples import sample_photos
 
     data = write_input_data(sample_photos(("rocket.jpg", "chelsea.png")), tmp_path / "input.json")
     load = LoadSpec("concurrency", (2,), request_count=12, input_data=data, profile_export=False)
@@ -281,8 +281,8 @@ def test_pipeline_report_and_targets_from_a_summary(tmp_path):
     the targets take the fastest variant."""
     import json
 
-    from bench.pipeline import pipeline_targets, summarize_protocol
-    from bench.report import write_report
+    from resnet18_kit.bench.pipeline import pipeline_targets, summarize_protocol
+    from resnet18_kit.bench.report import write_report
 
     def level(c, img_per_s, p50_ms):
         step = {"queue_us": 1000.0 * c, "compute_infer_us": 8000.0, "average_batch": min(c, 4), "inference_count": 9}
@@ -314,7 +314,7 @@ def test_pipeline_report_and_targets_from_a_summary(tmp_path):
     machine = {"triton_version": "2.51.0", "cpu": "test", "cores": 2, "gpu": None, "python": "3", "onnxruntime": "1",
                "torch": "2", "cpu_during_run": {"busy": 0.5, "steal": 0.0}}
     (tmp_path / "summary.json").write_text(json.dumps({
-        "command": "python -m bench --skip-tensor-sweeps", "started_utc": "now", "elapsed_s": 1.0, "model": ONNX_MODEL,
+        "command": "python -m resnet18_kit.bench --skip-tensor-sweeps", "started_utc": "now", "elapsed_s": 1.0, "model": ONNX_MODEL,
         "machine": machine, "configs": [], "inprocess": [], "targets": [], "pipeline": pipeline}))
     report = write_report(tmp_path).read_text()
     assert "| int8 | 12mp | grpc | 16 | 70.0 | 150.0 | 300.0 | 16.0 | 8.0 | 4.0 | 16.0 | 8.0 | 4.0 | 90% |" in report
@@ -340,7 +340,7 @@ def test_report_batch_size_histograms_share_bins_and_x_limits():
     """Every config's histogram panel has the bins 1..the largest max_batch_size, on one shared x axis."""
     import matplotlib.pyplot as plt
 
-    from bench.report import batch_sizes_figure
+    from resnet18_kit.bench.report import batch_sizes_figure
 
     summary = {"configs": [_tensor_config("latency", 4, (1, 2, 4, 8)), _tensor_config("throughput", 32, (1, 32, 64)),
                            _tensor_config("no_batching", 1, (1, 16))]}
@@ -363,7 +363,7 @@ def test_report_latency_breakdown_draws_every_config_at_one_concurrency():
     level nearest 32, written on its bar."""
     import matplotlib.pyplot as plt
 
-    from bench.report import BREAKDOWN, breakdown_levels, latency_breakdown_figure
+    from resnet18_kit.bench.report import BREAKDOWN, breakdown_levels, latency_breakdown_figure
 
     configs = [_tensor_config("default", 16, (1, 2, 4, 8, 16, 32, 64)),
                _tensor_config("latency", 16, (1, 2, 4, 8, 16, 32)),

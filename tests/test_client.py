@@ -16,14 +16,14 @@ import pytest
 import torch
 from PIL import Image
 
-from client.backoff import RetryPolicy
-from client.classifier import AsyncTritonClassifierClient, TritonClassifierClient
-from client.errors import DeadlineExceededError, QueueFullError
-from client.samples import sample_photos
-from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT
-from client.urls import PROTOCOLS
-from export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
-from server.embedded import free_ports
+from resnet18_kit.client.backoff import RetryPolicy
+from resnet18_kit.client.classifier import AsyncTritonClassifierClient, TritonClassifierClient
+from resnet18_kit.client.errors import DeadlineExceededError, QueueFullError
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT
+from resnet18_kit.client.urls import PROTOCOLS
+from resnet18_kit.export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
+from resnet18_kit.server.embedded import free_ports
 
 
 STUB_MODEL = "resnet18_slow_stub"  # tests/model_repository: sleeps 100 ms per execution, queue of 1
@@ -204,7 +204,7 @@ def test_expired_deadline_raises_the_typed_error(triton_server, protocol, api):
 # -- the classify CLI -----------------------------------------------------------------------------------
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "client.classify", *args], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "resnet18_kit.client.classify", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -255,8 +255,8 @@ def test_cli_exits_2_when_the_model_is_not_ready(triton_server):
     ("127.0.0.1:8000/v2", "give host:port"),
 ])
 def test_classify_refuses_a_bad_url_in_one_line(url, message, capsys):
-    from client.classify import main as classify_main
-    from client.samples import sample_photos
+    from resnet18_kit.client.classify import main as classify_main
+    from resnet18_kit.client.samples import sample_photos
 
     assert classify_main(["--url", url, str(sample_photos()[0])]) == 2
     err = capsys.readouterr().err
@@ -264,8 +264,8 @@ def test_classify_refuses_a_bad_url_in_one_line(url, message, capsys):
 
 
 def test_a_url_with_the_protocols_scheme_is_accepted(triton_server):
-    from client.classifier import TritonClassifierClient
-    from client.urls import host_port
+    from resnet18_kit.client.classifier import TritonClassifierClient
+    from resnet18_kit.client.urls import host_port
 
     assert host_port("http://127.0.0.1:8000/", "http") == "127.0.0.1:8000"
     assert host_port("grpc://[::1]:8001", "grpc") == "[::1]:8001"
@@ -274,8 +274,8 @@ def test_a_url_with_the_protocols_scheme_is_accepted(triton_server):
 
 
 def test_printed_predictions_carry_the_random_weights_mark():
-    from client.classifier import Prediction
-    from client.classify import format_predictions
+    from resnet18_kit.client.classifier import Prediction
+    from resnet18_kit.client.classify import format_predictions
 
     predictions = [Prediction(label="tabby", class_index=281, probability=0.8734, logit=2.5)]
     marked = format_predictions("cat.png", predictions, "[random weights]").splitlines()

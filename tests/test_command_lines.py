@@ -5,14 +5,14 @@ import sys
 
 import pytest
 
-from client.urls import PROTOCOLS
-from export.artifacts import REPO_ROOT
-from server.embedded import free_ports
+from resnet18_kit.client.urls import PROTOCOLS
+from resnet18_kit.contract import REPO_ROOT
+from resnet18_kit.server.embedded import free_ports
 
 
 @pytest.mark.parametrize("command, message", [
-    (["bench", "--configs", "nosuch", "--quick"], "--configs: no such config of resnet18_onnx: nosuch"),
-    (["bench.lone_client", "--served-repository", "/nonexistent"], "--served-repository: no model repository"),
+    (["resnet18_kit.bench", "--configs", "nosuch", "--quick"], "--configs: no such config of resnet18_onnx: nosuch"),
+    (["resnet18_kit.bench.lone_client", "--served-repository", "/nonexistent"], "--served-repository: no model repository"),
 ])
 def test_bench_commands_refuse_bad_arguments_in_one_line(command, message):
     result = subprocess.run([sys.executable, "-m", *command], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -24,7 +24,7 @@ def test_bench_commands_refuse_bad_arguments_in_one_line(command, message):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_async_pipeline_without_a_server_is_one_line_and_exit_2(protocol):
     (port,) = free_ports(1)
-    result = subprocess.run([sys.executable, "-m", "client.async_pipeline", "--protocol", protocol,
+    result = subprocess.run([sys.executable, "-m", "resnet18_kit.client.async_pipeline", "--protocol", protocol,
                              "--url", f"127.0.0.1:{port}"], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2

@@ -28,9 +28,9 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from export.artifacts import (ALL_MODELS, MODEL_REPOSITORY, ONNX_INT8_PATH, ONNX_PATH, PREPROCESS_MODEL, REPO_ROOT,
+from resnet18_kit.contract import (ALL_MODELS, MODEL_REPOSITORY, ONNX_INT8_PATH, ONNX_PATH, PREPROCESS_MODEL, REPO_ROOT,
                               TORCHSCRIPT_PATH, WARMUP_IMAGE_PATH)
-from server.embedded import library_path, server_environment, tritonserver_binary
+from resnet18_kit.server.embedded import library_path, server_environment, tritonserver_binary
 
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"

@@ -1,4 +1,4 @@
-"""python -m bench.evaluate: scoring on crafted logits, class-folder labels, command-line errors, and one
+"""python -m resnet18_kit.bench.evaluate: scoring on crafted logits, class-folder labels, command-line errors, and one
 end-to-end run (a served default server against the embedded default reference) on the sample photos.
 
 Two tritonserver starts in the whole file: the module's `served` server, and the reference server that
@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.evaluate import (WNIDS_PATH, class_of_folder, folder_labels, known_variants, load_wnids, main,
+from resnet18_kit.bench.evaluate import (WNIDS_PATH, class_of_folder, folder_labels, known_variants, load_wnids, main,
                             summarize, topk_accuracy)
-from client.classifier import TritonClassifierClient
-from client.samples import sample_photos
-from export.artifacts import missing_artifacts
-from server.embedded import EmbeddedTritonServer, config_on_free_ports, free_ports
+from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.contract import missing_artifacts
+from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports, free_ports
 
 
 def test_topk_accuracy_by_hand() -> None:

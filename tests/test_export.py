@@ -8,12 +8,12 @@ import pytest
 import torch
 import torchvision
 
-from export import artifacts
-from export import resnet18 as r18
+from resnet18_kit import contract
+from resnet18_kit.export import resnet18 as r18
 
 
 def test_onnx_signature_has_dynamic_batch_and_named_tensors():
-    model = onnx.load(str(artifacts.ONNX_PATH))
+    model = onnx.load(str(contract.ONNX_PATH))
     onnx.checker.check_model(model)
     assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 17
     (inp,), outputs = model.graph.input, model.graph.output
@@ -30,17 +30,17 @@ def test_onnx_signature_has_dynamic_batch_and_named_tensors():
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_exports_run_at_any_batch_size(batch_size):
     batch = r18.parity_batch(batch_size)
-    session = ort.InferenceSession(str(artifacts.ONNX_PATH), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(contract.ONNX_PATH), providers=["CPUExecutionProvider"])
     logits, probabilities = session.run(None, {"input": batch})
     assert logits.shape == probabilities.shape == (batch_size, 1000)
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
     assert (probabilities.argmax(axis=1) == logits.argmax(axis=1)).all()
-    scripted = torch.jit.load(str(artifacts.TORCHSCRIPT_PATH))
+    scripted = torch.jit.load(str(contract.TORCHSCRIPT_PATH))
     assert [tuple(t.shape) for t in scripted(torch.from_numpy(batch))] == [(batch_size, 1000)] * 2
 
 
 def test_provenance_records_source_versions_and_hashes():
-    records = [json.loads(p.read_text()) for p in artifacts.PROVENANCE_PATHS]
+    records = [json.loads(p.read_text()) for p in contract.PROVENANCE_PATHS]
     assert records[0] == records[1]
     record = records[0]
     assert record["weights"].split(":")[0] in ("torchvision", "file", "random")
@@ -50,12 +50,12 @@ def test_provenance_records_source_versions_and_hashes():
     assert record["versions"]["torch"] == torch.__version__
     assert record["versions"]["torchvision"] == torchvision.__version__
     for relative, digest in record["sha256"].items():
-        assert r18.sha256(artifacts.MODEL_REPOSITORY / relative) == digest, relative
+        assert r18.sha256(contract.MODEL_REPOSITORY / relative) == digest, relative
     assert set(record["parity"]["max_abs_diff_vs_eager"]) == {"onnx", "torchscript"}
 
 
 def test_labels_are_the_imagenet_category_names():
-    labels = artifacts.LABELS_PATH.read_text().splitlines()
+    labels = contract.LABELS_PATH.read_text().splitlines()
     assert len(labels) == 1000
     assert labels == r18.IMAGENET_WEIGHTS.meta["categories"]
     assert labels[281] == "tabby" and labels[0] == "tench"
@@ -64,8 +64,8 @@ def test_labels_are_the_imagenet_category_names():
 def test_parity_check_fails_loudly_on_a_different_model(eager_model):
     other = r18.random_model(seed=12345)
     with pytest.raises(AssertionError, match="differs from eager torch"):
-        r18.check_parity(other, artifacts.ONNX_PATH, artifacts.TORCHSCRIPT_PATH)
-    diffs = r18.check_parity(eager_model, artifacts.ONNX_PATH, artifacts.TORCHSCRIPT_PATH)
+        r18.check_parity(other, contract.ONNX_PATH, contract.TORCHSCRIPT_PATH)
+    diffs = r18.check_parity(eager_model, contract.ONNX_PATH, contract.TORCHSCRIPT_PATH)
     assert max(diffs.values()) < r18.PARITY_ATOL
 
 
@@ -77,11 +77,11 @@ def test_random_init_is_reproducible_from_its_seed():
 
 
 def test_exports_made_before_the_probabilities_output_are_re_exported(tmp_path, monkeypatch):
-    assert artifacts.outdated_reason() is None  # this checkout's exports carry both outputs
-    record = json.loads(artifacts.PROVENANCE_PATHS[0].read_text())
+    assert contract.outdated_reason() is None  # this checkout's exports carry both outputs
+    record = json.loads(contract.PROVENANCE_PATHS[0].read_text())
     del record["outputs"]  # as written by an export of the logits alone
     old = tmp_path / "provenance.json"
     old.write_text(json.dumps(record))
-    monkeypatch.setattr(artifacts, "PROVENANCE_PATHS", (old,))
-    assert artifacts.outdated_reason() == ("the exported files have outputs ['logits'], this code serves "
+    monkeypatch.setattr(contract, "PROVENANCE_PATHS", (old,))
+    assert contract.outdated_reason() == ("the exported files have outputs ['logits'], this code serves "
                                  "['logits', 'probabilities']")

@@ -1,5 +1,5 @@
-"""python -m bench.figures on small hand-made results folders, in the formats the commands write:
-`python -m bench` (summary.json), `python -m planner validate` (validation.json), `python -m bench.soak`
+"""python -m resnet18_kit.bench.figures on small hand-made results folders, in the formats the commands write:
+`python -m resnet18_kit.bench` (summary.json), `python -m resnet18_kit.planner validate` (validation.json), `python -m resnet18_kit.reliability.soak`
 (soak-<time>/soak.json). No server."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 
-from bench import figures
+from resnet18_kit.bench import figures
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1024 * 1024
@@ -30,9 +30,9 @@ def perf_row(level: float, throughput: float, p99_ms: float) -> dict:
 
 
 def write_bench(folder: Path, pipeline: bool = True, configs: bool = False) -> Path:
-    """A `python -m bench` results folder with the end-to-end part and/or the tensor sweeps."""
+    """A `python -m resnet18_kit.bench` results folder with the end-to-end part and/or the tensor sweeps."""
     step = {"queue_us": 1000.0, "compute_infer_us": 8000.0, "average_batch": 2.0, "inference_count": 9}
-    summary = {"command": "python -m bench", "started_utc": "2026-11-23T06:45:17+00:00", "elapsed_s": 1.0,
+    summary = {"command": "python -m resnet18_kit.bench", "started_utc": "2026-11-23T06:45:17+00:00", "elapsed_s": 1.0,
                "model": "resnet18_onnx", "configs": [], "inprocess": [], "targets": []}
     if pipeline:
         inproc = {"saturation_img_per_s": 100.0, "batch1_p50_ms": 10.0, "batch1_p99_ms": 12.0}
@@ -79,7 +79,7 @@ def write_validation(folder: Path) -> Path:
 
 
 def write_soak(folder: Path, minutes: int = 3) -> Path:
-    """A `python -m bench.soak --out folder` output: folder/soak-<time>/soak.json."""
+    """A `python -m resnet18_kit.reliability.soak --out folder` output: folder/soak-<time>/soak.json."""
     samples = [[5.0 * i, {"tritonserver": 300 * MiB + i * 1024, "preprocess_0_0": 120 * MiB,
                           "resnet18_onnx_0_0": 200 * MiB}] for i in range(minutes * 12 + 1)]
     record = {"capacity_per_s": 50.0, "load": 0.8, "rate_per_s": 40.0, "minutes": minutes,
@@ -95,7 +95,7 @@ def write_soak(folder: Path, minutes: int = 3) -> Path:
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.figures", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "resnet18_kit.bench.figures", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -130,7 +130,7 @@ def test_validation_without_predictions_yet_is_skipped(tmp_path, caplog):
     row = validation_row("default", 0.3, 40.0, 42.0)
     del row["predicted"]
     (folder / "validation.json").write_text(json.dumps([row]))
-    with caplog.at_level(logging.INFO, logger="bench.figures"):
+    with caplog.at_level(logging.INFO, logger="resnet18_kit.bench.figures"):
         assert figures.generate({"validation": folder}, tmp_path / "out", ("validation",)) == {}
     assert "no predicted level yet" in caplog.text and "--predict-only" in caplog.text
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from PIL import Image
 
-from client.classifier import TritonClassifierClient, protocol_module
-from client.metrics import model_counters
-from client.samples import sample_photos
-from export.artifacts import ENSEMBLE_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL
-from export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
+from resnet18_kit.client.classifier import TritonClassifierClient, protocol_module
+from resnet18_kit.observe.metrics import model_counters
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL
+from resnet18_kit.export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
 
 
 #: torchvision's ImageNet eval transform, the reference the served pipeline must reproduce.

@@ -5,10 +5,10 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from export import artifacts
+from resnet18_kit import contract
 
-CONFIG_FILES = sorted(artifacts.MODEL_REPOSITORY.glob("*/config.pbtxt")) + sorted(
-    artifacts.MODEL_REPOSITORY.glob("*/configs/*.pbtxt"))
+CONFIG_FILES = sorted(contract.MODEL_REPOSITORY.glob("*/config.pbtxt")) + sorted(
+    contract.MODEL_REPOSITORY.glob("*/configs/*.pbtxt"))
 
 
 def parse(path: Path) -> mc.ModelConfig:
@@ -16,7 +16,7 @@ def parse(path: Path) -> mc.ModelConfig:
 
 
 def default_config(model: str) -> mc.ModelConfig:
-    return parse(artifacts.MODEL_REPOSITORY / model / "config.pbtxt")
+    return parse(contract.MODEL_REPOSITORY / model / "config.pbtxt")
 
 
 def signature(config: mc.ModelConfig):
@@ -31,17 +31,17 @@ def variant_name(path: Path) -> str:
 
 
 def ensemble_steps() -> set[str]:
-    return {step.model_name for step in default_config(artifacts.ENSEMBLE_MODEL).ensemble_scheduling.step}
+    return {step.model_name for step in default_config(contract.ENSEMBLE_MODEL).ensemble_scheduling.step}
 
 
 def test_every_model_directory_has_a_default_config():
-    models = {p.name for p in artifacts.MODEL_REPOSITORY.iterdir() if p.is_dir()}
-    assert models == set(artifacts.ALL_MODELS)
+    models = {p.name for p in contract.MODEL_REPOSITORY.iterdir() if p.is_dir()}
+    assert models == set(contract.ALL_MODELS)
     variants = {variant_name(p) for p in CONFIG_FILES}
     assert {"default", "gpu", "latency", "throughput", "no_batching", "int8"} <= variants
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(artifacts.MODEL_REPOSITORY)))
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(contract.MODEL_REPOSITORY)))
 def test_config_names_its_directory_and_variants_match_the_default(path):
     config = parse(path)
     model_dir = path.parent if path.name == "config.pbtxt" else path.parent.parent
@@ -50,7 +50,7 @@ def test_config_names_its_directory_and_variants_match_the_default(path):
     assert signature(config) == signature(default)  # names, dtypes, dims, labels
     assert (config.max_batch_size > 0) == (default.max_batch_size > 0)
     if model_dir.name in ensemble_steps():  # the ensemble must still load with this variant
-        assert config.max_batch_size >= default_config(artifacts.ENSEMBLE_MODEL).max_batch_size
+        assert config.max_batch_size >= default_config(contract.ENSEMBLE_MODEL).max_batch_size
 
 
 #: Variants that leave the queue unbounded so that Triton 2.51's batcher prefetches payloads: with any
@@ -67,16 +67,16 @@ ZERO_DELAY_VARIANTS = {"latency", "default", "int8"}
 def test_default_network_keeps_an_idle_instance_and_runs_one_at_a_time():
     """The default network config avoids Triton 2.51's lost wake-up (a second instance) without two
     executions sharing the cores (a rate-limiter resource each instance needs all of)."""
-    (group,) = default_config(artifacts.ONNX_MODEL).instance_group
+    (group,) = default_config(contract.ONNX_MODEL).instance_group
     assert group.count == 2
     (resource,) = group.rate_limiter.resources
     assert resource.count == 2 and resource.name == "cores"
-    params = {k: v.string_value for k, v in default_config(artifacts.ONNX_MODEL).parameters.items()}
+    params = {k: v.string_value for k, v in default_config(contract.ONNX_MODEL).parameters.items()}
     assert params["allow_spinning"] == "0"
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIG_FILES if parse(p).platform != "ensemble"],
-                         ids=lambda p: str(p.relative_to(artifacts.MODEL_REPOSITORY)))
+                         ids=lambda p: str(p.relative_to(contract.MODEL_REPOSITORY)))
 def test_batched_model_has_batcher_queue_policy_instances_and_warmup(path):
     config = parse(path)
     assert config.max_batch_size > 0
@@ -105,7 +105,7 @@ def test_batched_model_has_batcher_queue_policy_instances_and_warmup(path):
 
 
 def test_ensemble_steps_fit_their_models():
-    ensemble = default_config(artifacts.ENSEMBLE_MODEL)
+    ensemble = default_config(contract.ENSEMBLE_MODEL)
     assert ensemble.platform == "ensemble"
     produced = {t.name for t in ensemble.input}
     for step in ensemble.ensemble_scheduling.step:
@@ -118,13 +118,13 @@ def test_ensemble_steps_fit_their_models():
     assert {t.name for t in ensemble.output} <= produced
     assert [t.name for t in ensemble.output] == ["logits", "probabilities"]
     for output in ensemble.output:  # both usable with class_count
-        labels = artifacts.MODEL_REPOSITORY / artifacts.ENSEMBLE_MODEL / output.label_filename
-        assert labels == artifacts.LABELS_PATH and len(labels.read_text().splitlines()) == 1000
+        labels = contract.MODEL_REPOSITORY / contract.ENSEMBLE_MODEL / output.label_filename
+        assert labels == contract.LABELS_PATH and len(labels.read_text().splitlines()) == 1000
 
 
-@pytest.mark.parametrize("model", [artifacts.ONNX_MODEL, artifacts.TORCHSCRIPT_MODEL])
+@pytest.mark.parametrize("model", [contract.ONNX_MODEL, contract.TORCHSCRIPT_MODEL])
 def test_network_configs_serve_the_exports_outputs_in_their_order(model):
     """The pytorch backend maps a TorchScript module's outputs to the config's by position, and the
     Python-backend model looks each configured name up in the runtime's outputs: both need the export's
     names in the export's order (variants have the default's signature: the test above)."""
-    assert tuple(t.name for t in default_config(model).output) == artifacts.runtimes().OUTPUT_NAMES
+    assert tuple(t.name for t in default_config(model).output) == contract.runtimes().OUTPUT_NAMES

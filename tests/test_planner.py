@@ -8,15 +8,15 @@ from collections import deque
 import numpy as np
 import pytest
 
-from planner.__main__ import main as planner_main
-from planner.arrivals import Bursty, Poisson, Trace
-from planner.batcher import BatcherConfig, QueuePolicy, Request, form_batch
-from planner.pbtxt import batcher_from_config, instance_count, load_config, planned_config, write_config
-from planner.profile import BatchTiming, Profile, constant_profile
-from planner.search import SearchSpace, Slo, capacity_bound, plan, speed_for
-from planner.simulator import LostWakeup, simulate
-from planner.speed import SpeedTrace, window_factors
-from export.artifacts import MODEL_REPOSITORY
+from resnet18_kit.planner.__main__ import main as planner_main
+from resnet18_kit.planner.arrivals import Bursty, Poisson, Trace
+from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy, Request, form_batch
+from resnet18_kit.planner.pbtxt import batcher_from_config, instance_count, load_config, planned_config, write_config
+from resnet18_kit.planner.profile import BatchTiming, Profile, constant_profile
+from resnet18_kit.planner.search import SearchSpace, Slo, capacity_bound, plan, speed_for
+from resnet18_kit.planner.simulator import LostWakeup, simulate
+from resnet18_kit.planner.speed import SpeedTrace, window_factors
+from resnet18_kit.contract import MODEL_REPOSITORY
 
 
 def queue_of(arrivals_s, sizes=None, deadlines_s=None) -> deque:
@@ -336,7 +336,7 @@ def test_plan_command_writes_a_servable_config_outside_the_model_repository(tmp_
 # -- reading Triton's request trace (validation) ------------------------------------------------------------
 
 def test_trace_summary_finds_requests_left_waiting_by_a_missed_wakeup(tmp_path):
-    from planner.validate import read_traces, split_levels, trace_summary
+    from resnet18_kit.planner.validate import read_traces, split_levels, trace_summary
 
     ms = 1_000_000
     # (queue start, compute start, compute end) in ms; one instance, no queue delay, batches of up to 4.
@@ -365,7 +365,7 @@ def test_trace_summary_finds_requests_left_waiting_by_a_missed_wakeup(tmp_path):
 def test_progress_counts_steps_and_logs_each_with_its_eta(caplog):
     import logging
 
-    from bench.progress import Progress
+    from resnet18_kit.progress import Progress
 
     caplog.set_level(logging.INFO, logger="planner")
     with Progress(4, "level", "validate", logging.getLogger("planner"), disable=True) as progress:
@@ -383,11 +383,11 @@ def test_progress_counts_steps_and_logs_each_with_its_eta(caplog):
 
 
 def test_profile_progress_counts_the_measurements_measure_profile_reports():
-    from bench.progress import Progress
+    from resnet18_kit.progress import Progress
     import inspect
 
-    from planner import measure
-    from planner.__main__ import profile_runs
+    from resnet18_kit.planner import measure
+    from resnet18_kit.planner.__main__ import profile_runs
 
     # 6 batch sizes + the lone request + speed at 25/50/75% + the closed loop: the 11 lines of a default run
     assert profile_runs([1, 2, 4, 8, 16, 32], [1], speed_under_load=True) == 11
@@ -405,7 +405,7 @@ def test_profile_progress_counts_the_measurements_measure_profile_reports():
 
 
 def test_validate_and_profile_take_a_log_level(capsys):
-    from planner.__main__ import main as planner_main
+    from resnet18_kit.planner.__main__ import main as planner_main
 
     with pytest.raises(SystemExit):
         planner_main(["validate", "--help"])
@@ -415,7 +415,7 @@ def test_validate_and_profile_take_a_log_level(capsys):
 
 
 def test_validate_profiles_the_instance_counts_of_the_configs_it_validates():
-    from planner.__main__ import configs_instance_counts
+    from resnet18_kit.planner.__main__ import configs_instance_counts
 
     # config.pbtxt runs 2 rate-limited instances, latency 1, throughput 2: a profile of 1 alone
     # could not predict the default (validate used to stop with a KeyError after its profile).
@@ -429,7 +429,7 @@ def test_validate_profiles_the_instance_counts_of_the_configs_it_validates():
     (["simulate", "--profile", "{not_json}", "--rate", "10"], "not_json.json: not a profile JSON file"),
 ])
 def test_bad_inputs_are_one_line_and_exit_2(args, named, tmp_path, capsys):
-    from planner.__main__ import main
+    from resnet18_kit.planner.__main__ import main
 
     (tmp_path / "not_json.json").write_text("{")
     args = [a.format(missing=tmp_path / "missing.json", not_json=tmp_path / "not_json.json") for a in args]

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from client.samples import sample_photos
-from export.artifacts import MODEL_REPOSITORY, PREPROCESS_MODEL
-from export.resnet18 import torchvision_eval_transform
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.contract import MODEL_REPOSITORY, PREPROCESS_MODEL
+from resnet18_kit.export.resnet18 import torchvision_eval_transform
 
 # The transform lives beside the preprocess model's model.py (the server imports it from there).
 sys.path.insert(0, str(MODEL_REPOSITORY / PREPROCESS_MODEL / "1"))

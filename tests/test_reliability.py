@@ -2,16 +2,16 @@
 nothing hangs, nothing is answered twice, and the server's counters add up to what the clients saw;
 queue timeouts; readiness while the queue is full and the overload signal operators can use instead.
 
-The scenarios live in bench/reliability.py (`python -m bench.reliability` runs them bigger for
+The scenarios live in bench/reliability.py (`python -m resnet18_kit.reliability` runs them bigger for
 docs/reliability.md); these tests run them small and assert the invariants, not throughput.
 """
 from __future__ import annotations
 
 import pytest
 
-from client.urls import PROTOCOLS
+from resnet18_kit.client.urls import PROTOCOLS
 
-from bench.reliability import (ANSWERED, REFUSED, TIMED_OUT, burst, onnx_load, queue_timeouts,
+from resnet18_kit.reliability import (ANSWERED, REFUSED, TIMED_OUT, burst, onnx_load, queue_timeouts,
                                readiness_under_overload, reference_answers, refusal_latency)
 
 #: A single request refused because the queue is full is answered within this bound (measured: a few
@@ -106,13 +106,13 @@ def test_ready_stays_true_while_the_queue_is_full_and_the_queue_gauge_shows_it(t
     assert result["pending_after"] == 0
 
 
-def test_supervisor_warns_when_a_queue_is_nearly_full(triton_server, test_model_repository):
+def test_supervisor_warns_when_a_queue_is_nearly_full(triton_server, reliability_repository):
     """The overload warning `serve` logs, from the same gauge, without a new endpoint."""
     import threading
 
-    from server.overload import QueueWatch, queue_limits
+    from resnet18_kit.server.overload import QueueWatch, queue_limits
 
-    watch = QueueWatch({"reliability_echo": queue_limits((test_model_repository,))["reliability_echo"]})
+    watch = QueueWatch({"reliability_echo": queue_limits((reliability_repository,))["reliability_echo"]})
     assert watch.warnings(triton_server.config.metrics_url) == []  # idle
     warnings: list[str] = []
     stop = threading.Event()

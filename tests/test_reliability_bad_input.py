@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from bench.reliability import (ANSWERED, INVALID, MiB, MemorySampler, bad_input_corpus, classify_error,
+from resnet18_kit.reliability import (ANSWERED, INVALID, MiB, MemorySampler, bad_input_corpus, classify_error,
                                odd_images, send_image)
-from client.classifier import protocol_module
-from client.urls import PROTOCOLS
-from client.samples import sample_photos
-from export.artifacts import MODEL_REPOSITORY, PREPROCESS_MODEL
+from resnet18_kit.client.classifier import protocol_module
+from resnet18_kit.client.urls import PROTOCOLS
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.contract import MODEL_REPOSITORY, PREPROCESS_MODEL
 
 sys.path.insert(0, str(MODEL_REPOSITORY / PREPROCESS_MODEL / "1"))
 import image_transform  # noqa: E402
@@ -102,7 +102,7 @@ def _outcome(server, protocol: str, data: bytes):
 def _seed_images() -> list[bytes]:
     from PIL import Image
 
-    from bench.reliability import _encode
+    from resnet18_kit.reliability import _encode
 
     small = Image.open(sample_photos()[0]).convert("RGB").resize((96, 64))
     return [_encode(small, "PNG"), _encode(small, "JPEG", quality=85), _encode(small.quantize(32), "GIF"),

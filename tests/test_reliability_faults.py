@@ -12,10 +12,10 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from bench.reliability import (ANSWERED, ECHO_MODEL, ERROR, REFUSED, echo_load, repository_with, send_crashing_request,
+from resnet18_kit.reliability import (ANSWERED, ECHO_MODEL, ERROR, REFUSED, echo_load, repository_with, send_crashing_request,
                                sigterm_in_flight, stub_kill)
-from server.embedded import EmbeddedTritonServer, config_on_free_ports
-from server.supervisor import Supervisor, SupervisorPolicy
+from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 
 FAST = SupervisorPolicy(poll_interval_s=0.2, restart_drain_s=2.0, ready_timeout_s=120.0)
 STUB_DEAD = "is not healthy"
@@ -118,7 +118,7 @@ def test_supervisor_gives_up_on_a_crash_loop(echo_repository, tmp_path):
 
 
 def test_sigterm_lets_accepted_requests_finish_refuses_new_ones_and_exits_in_time(echo_repository, tmp_path):
-    """SIGTERM to `python -m server` while 10 requests are sent at once (the queue holds 8 + 4 executing,
+    """SIGTERM to `python -m resnet18_kit.server` while 10 requests are sent at once (the queue holds 8 + 4 executing,
     fewer while the batcher gathers the next batch, so a few may be refused): every accepted request is
     answered; new HTTP connections are refused at once; the server exits 0 within --exit-timeout-s.
     gRPC keeps accepting new requests while HTTP connections drain, then answers NOT_FOUND ("no
@@ -148,13 +148,13 @@ def test_killing_serve_outright_takes_its_server_down(echo_repository, tmp_path)
     import subprocess
     import sys
 
-    from bench.reliability import wait_ready
-    from export.artifacts import REPO_ROOT
-    from server.embedded import _children, process_alive
+    from resnet18_kit.reliability import wait_ready
+    from resnet18_kit.contract import REPO_ROOT
+    from resnet18_kit.server.embedded import _children, process_alive
 
     config = config_on_free_ports(model_repository=echo_repository)
     with open(tmp_path / "serve.log", "wb") as log:
-        serve = subprocess.Popen([sys.executable, "-m", "server", "--model-repository", str(echo_repository),
+        serve = subprocess.Popen([sys.executable, "-m", "resnet18_kit.server", "--model-repository", str(echo_repository),
                                   "--http-port", str(config.http_port), "--grpc-port", str(config.grpc_port),
                                   "--metrics-port", str(config.metrics_port), "--exit-timeout-s", "5"],
                                  cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)

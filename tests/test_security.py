@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from bench.reliability import ECHO_MODEL, repository_with, restricted_api_checks
-from export.artifacts import REPO_ROOT
-from server.__main__ import InsecureBindError, add_server_arguments, config_from_args
-from server.embedded import (ADMIN_KEY_ENV, RESTRICTED_APIS, EmbeddedTritonServer, ServerConfig,
+from resnet18_kit.reliability import ECHO_MODEL, repository_with, restricted_api_checks
+from resnet18_kit.contract import REPO_ROOT
+from resnet18_kit.server.__main__ import InsecureBindError, add_server_arguments, config_from_args
+from resnet18_kit.server.embedded import (ADMIN_KEY_ENV, RESTRICTED_APIS, EmbeddedTritonServer, ServerConfig,
                              config_on_free_ports, server_command)
 
 
@@ -37,7 +37,7 @@ def test_default_bind_is_loopback_only():
 def test_wider_bind_without_an_admin_key_is_refused():
     with pytest.raises(InsecureBindError, match=ADMIN_KEY_ENV):
         config_from_args(parse("--host", "0.0.0.0"), environ={})
-    result = subprocess.run([sys.executable, "-m", "server", "--host", "0.0.0.0"], cwd=REPO_ROOT,
+    result = subprocess.run([sys.executable, "-m", "resnet18_kit.server", "--host", "0.0.0.0"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=60,
                             env={"PATH": "/usr/bin:/bin", "HOME": str(REPO_ROOT)})
     assert result.returncode == 2 and "refusing to listen on 0.0.0.0" in result.stderr, result.stderr

@@ -1,7 +1,7 @@
 """Server and model health, metadata and configuration of every model, over HTTP and gRPC."""
 import pytest
 
-from export.artifacts import ALL_MODELS, ENSEMBLE_MODEL
+from resnet18_kit.contract import ALL_MODELS, ENSEMBLE_MODEL
 
 
 def test_server_live_and_ready(client):
@@ -61,7 +61,7 @@ CPU_ONLY_START = [
 
 
 def test_cuda_notices_of_a_cpu_only_machine_are_explained_once_and_other_lines_pass():
-    from server.server_log import CudaNoticeFilter, cpu_only_explanation
+    from resnet18_kit.server.server_log import CudaNoticeFilter, cpu_only_explanation
 
     line_filter = CudaNoticeFilter("results/serve-tritonserver.log", prefix="serve: ")
     shown = line_filter.lines(CPU_ONLY_START * 2)  # a restart logs them again: still one explanation
@@ -77,7 +77,7 @@ def test_cuda_notices_of_a_cpu_only_machine_are_explained_once_and_other_lines_p
 
 
 def test_a_model_that_failed_to_load_is_shown_even_when_it_names_cuda():
-    from server.server_log import CudaNoticeFilter
+    from resnet18_kit.server.server_log import CudaNoticeFilter
 
     failed = ('E1123 07:12:00.000000 1 model_lifecycle.cc:641] "failed to load \'resnet18_onnx\' version 1: '
               'Internal: CUDA driver version is insufficient for CUDA runtime version"')
@@ -85,7 +85,7 @@ def test_a_model_that_failed_to_load_is_shown_even_when_it_names_cuda():
 
 
 def test_log_follower_shows_the_lines_added_after_it_started(tmp_path):
-    from server.server_log import CudaNoticeFilter, LogFollower
+    from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 
     log = tmp_path / "tritonserver.log"
     log.write_text("an earlier run's line\n")
@@ -99,7 +99,7 @@ def test_log_follower_shows_the_lines_added_after_it_started(tmp_path):
 
 
 def test_start_failure_log_tail_explains_the_cuda_notices_instead_of_quoting_them(tmp_path):
-    from server.embedded import EmbeddedTritonServer, ServerConfig
+    from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerConfig
 
     log = tmp_path / "tritonserver.log"
     log.write_text("\n".join(CPU_ONLY_START) + "\n")

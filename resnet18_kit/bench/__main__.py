@@ -1,0 +1,335 @@
+"""python -m resnet18_kit.bench: perf_analyzer sweeps of ResNet-18 over swapped model configs, against the ceilings.
+
+For each named config of the model (config.pbtxt as "default", and configs/<name>.pbtxt), the embedded
+tritonserver is restarted with `--model-config-name=<name>`: a restart, not the model-control API,
+because the process start -> ready time is one of the figures (cold start), and because a restart with
+`--model-config-name` is exactly how docker compose and Kubernetes switch configs; the config the
+server really loaded is read back and recorded. Per config:
+  * cold start: process start to every model ready (s), then the first inference's latency (ms);
+  * the in-process ceiling (ONNX Runtime, no server) at batch 1 and at the config's max_batch_size, the
+    latter both as one session on all cores and as one single-threaded session per core (the better
+    of the two is the ceiling);
+  * a perf_analyzer concurrency sweep and a Poisson request-rate sweep, one perf_analyzer run per level,
+    with the statistics extension read before and after each (stage times, batch sizes formed) and
+    the server's CPU utilization sampled from the metrics endpoint.
+Then the batching-layer ceiling: the trivial `identity` model through the same server and batcher.
+
+Then the main job end to end (bench/pipeline.py; --skip-pipeline leaves it out, --skip-tensor-sweeps runs
+only it): encoded photos (the sample photos, and the same as 12-megapixel JPEGs) as real BYTES requests
+through the `resnet18` ensemble (preprocess -> resnet18_onnx), per config variant (--pipeline-variants;
+default: "default" and "int8" when configs/int8.pbtxt exists), photo set, protocol and concurrency, with
+the server's split per step (queue, compute, average batch), against the same pipeline in-process.
+
+Writes results/bench-<UTC time>[-quick]/: perf_analyzer's files per level, machine.json, summary.json,
+report.md and PNG plots (three for the tensor sweeps, two end to end). --quick finishes in about 6
+minutes on the 2-core reference machine (under 3 without the end-to-end part).
+
+Progress: a bar over the planned perf_analyzer runs on stderr (drawn on a terminal only) and a log line
+per run with the count done and the ETA; the report's path and the targets go to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import shlex
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+from resnet18_kit.bench import inprocess
+from resnet18_kit.observe.machine import cpu_share, cpu_ticks, machine_info
+from resnet18_kit.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
+from resnet18_kit.bench.pipeline import pipeline_options, print_targets, run_pipeline
+from resnet18_kit.observe.model_config import instance_count, served_config, variant_config
+from resnet18_kit.progress import Progress, add_logging_arguments, setup_logging
+from resnet18_kit.bench.report import saturation_row, write_report
+from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
+from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.contract import results_dir, MODEL_REPOSITORY, ONNX_MODEL, REPO_ROOT, missing_artifacts
+from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+BENCH_REPOSITORY = Path(__file__).parent / "model_repository"
+IDENTITY_MODEL = "identity"
+log = logging.getLogger("bench")
+
+
+def config_names(model: str) -> list[str]:
+    """"default" (config.pbtxt) and every configs/<name>.pbtxt of `model`, GPU-only variants left out."""
+    names = sorted(p.stem for p in (MODEL_REPOSITORY / model / "configs").glob("*.pbtxt"))
+    return ["default"] + [n for n in names if n != "gpu"]
+
+
+def local_batching(model: str, name: str) -> tuple[int, int, int]:
+    """(max_batch_size, max_queue_size, instances) of config `name` as written in the model repository."""
+    config = variant_config(model, name)
+    return (config.max_batch_size, config.dynamic_batching.default_queue_policy.max_queue_size,
+            instance_count(config))
+
+
+def measure_level(server: EmbeddedTritonServer, model: str, load: LoadSpec, level: float, out_dir: Path,
+                  protocol: str) -> dict:
+    """One perf_analyzer level with the server-side statistics of exactly that run."""
+    config = server.config
+    url = config.grpc_url if protocol == "grpc" else config.http_url
+    before = model_statistics(config.http_url, model)
+    with CpuSampler(config.metrics_url) as cpu:
+        row = run_level(model, url, protocol, load, level, out_dir, metrics_url=config.metrics_url)
+    after = model_statistics(config.http_url, model)
+    return {**asdict(row), "server": statistics_delta(before, after), "cpu_utilization": cpu.mean}
+
+
+def levels_for(max_batch_size: int, max_queue_size: int, quick: bool, instances: int = 1) -> tuple[int, ...]:
+    """Concurrency levels: powers of two up to 2 x max_batch_size x instances (the saturation rule of
+    thumb of Triton's guide), but no more than the queue holds (max_queue_size, 0 = unbounded): beyond
+    it the server refuses requests, which perf_analyzer treats as a failed run.
+    --quick keeps 1 and the top level (see QUICK_LEVELS)."""
+    top = 2 * max_batch_size * instances
+    top = min(top, max_queue_size or top)
+    levels = tuple(sorted({1, *[2 ** k for k in range(1, 10) if 2 ** k <= top], top}))
+    return (1, top) if quick else levels
+
+
+#: --quick: the levels the targets are about (the latency config at concurrency 1, the throughput config at
+#: 2 x max_batch_size), one level per other config; measured as fixed request counts, no stabilization.
+QUICK_LEVELS = {"latency": (1,), "throughput": (64,), "no_batching": (16,), "default": (1, 32)}
+
+
+def concurrency_levels(name: str, max_batch_size: int, max_queue_size: int, instances: int,
+                       quick: bool) -> tuple[int, ...]:
+    """The concurrency levels (requests in flight) swept for config `name` (QUICK_LEVELS with --quick)."""
+    if quick and name in QUICK_LEVELS:
+        return QUICK_LEVELS[name]
+    return levels_for(max_batch_size, max_queue_size, quick, instances)
+
+
+def run_config(name: str, model: str, run_dir: Path, args, progress: Progress) -> dict:
+    """Restart the server with config `name`, measure cold start, in-process ceiling and both sweeps."""
+    out = run_dir / name
+    out.mkdir(parents=True)
+    server_config = config_on_free_ports(model_config_name=None if name == "default" else name)
+    server = EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log")
+    progress.set_description(f"{name}: starting tritonserver")
+    ready_s = server.start()
+    log.info("%s: tritonserver ready in %.1f s (log: %s)", name, ready_s, out / "tritonserver.log")
+    try:
+        with TritonClassifierClient(server_config.http_url, "http") as client:
+            probe = np.zeros((1, 3, 224, 224), np.float32)
+            started = time.perf_counter()
+            client.infer_tensor(probe, model=model)
+            first_ms = (time.perf_counter() - started) * 1e3
+            record = {"name": name, **served_config(client, model),
+                      "triton_version": client.raw.get_server_metadata()["version"],
+                      "cold_start": {"process_to_ready_s": ready_s, "first_inference_ms": first_ms}}
+        log.debug("%s: first inference %.1f ms; served config %s", name, first_ms,
+                  {k: v for k, v in record.items() if k not in ("name", "cold_start")})
+        progress.set_description(f"{name}: in-process ceiling")
+        single = inprocess.measure("onnxruntime", sorted({1, record["max_batch_size"]}), duration_s=args.inprocess_s)
+        parallel = inprocess.measure_parallel(record["max_batch_size"], duration_s=args.inprocess_s)
+        record["inprocess"] = [asdict(r) for r in single] + [asdict(parallel)]
+        # The ceiling: the better in-process arrangement at the config's max batch (see bench/inprocess.py),
+        # measured again right after the concurrency sweep (below): the efficiency divides by the mean of
+        # the two, so a drift of the shared VM's speed during the sweep does not land on one side only.
+        best_arrangement = "parallel" if parallel.throughput > single[-1].throughput else "single"
+        ceiling_before = max(single[-1].throughput, parallel.throughput)
+        record["inprocess_at_max_batch"] = capacity = ceiling_before
+        log.info("%s: in-process ceiling %.1f infer/s at batch %d (%s)", name, capacity, record["max_batch_size"],
+                 best_arrangement)
+        fallback = int(capacity * 2 * args.measurement_ms / 1000)  # about 2 windows' worth of requests
+        levels = concurrency_levels(name, record["max_batch_size"], record["max_queue_size"], record["instances"],
+                                    args.quick)
+        load = LoadSpec("concurrency", levels, shared_memory=args.shared_memory,
+                        output_shm_bytes=RESNET18_LOGITS_BYTES,
+                        measurement_ms=args.measurement_ms, fallback_request_count=fallback)
+        record["concurrency"] = []
+        for level in load.levels:
+            if args.quick:  # ~2.5 s of capacity, and at least 6 rounds of the concurrency
+                load = replace(load, request_count=max(int(capacity * 2.5), 6 * int(level)))
+            progress.set_description(f"{name}: concurrency {level:g}")
+            record["concurrency"].append(measure_level(server, model, load, level, out / f"concurrency-{level:g}",
+                                                       args.protocol))
+            progress.update()
+        progress.set_description(f"{name}: in-process ceiling again")
+        ceiling_after = (inprocess.measure_parallel(record["max_batch_size"], duration_s=args.inprocess_s)
+                         if best_arrangement == "parallel" else
+                         inprocess.measure("onnxruntime", [record["max_batch_size"]], duration_s=args.inprocess_s)[0])
+        record["inprocess_ceiling_before_after"] = [ceiling_before, ceiling_after.throughput]
+        record["inprocess_at_max_batch"] = capacity = (ceiling_before + ceiling_after.throughput) / 2
+        rates = tuple(round(f * capacity, 1) for f in args.rate_fractions) if name in args.rate_configs else ()
+        # --async: with blocking calls perf_analyzer's rate mode can keep only as many requests in flight as
+        # it has threads, and then sends below the asked rate once latency grows (seen: 15 of 39 req/s).
+        rate_load = LoadSpec("request_rate", rates, shared_memory=args.shared_memory, async_mode=True,
+                             output_shm_bytes=RESNET18_LOGITS_BYTES, measurement_ms=args.measurement_ms,
+                             fallback_request_count=fallback,
+                             request_count=int(capacity * 2.5) if args.quick else 0)
+        record["request_rate"] = []
+        for rate in rates:
+            progress.set_description(f"{name}: {rate:g} requests/s")
+            record["request_rate"].append(measure_level(server, model, rate_load, rate, out / f"rate-{rate:g}",
+                                                        args.protocol))
+            progress.update()
+        record["efficiency"] = saturation_row(record)["throughput"] / capacity
+        return record
+    finally:
+        server.stop()
+
+
+def run_identity(run_dir: Path, args, progress: Progress) -> dict:
+    """The batching-layer ceiling: `identity` through the same server, batcher and protocol stack."""
+    out = run_dir / IDENTITY_MODEL
+    out.mkdir()
+    server_config = config_on_free_ports(model_repository=BENCH_REPOSITORY)
+    with EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log") as server:
+        with TritonClassifierClient(server_config.http_url, "http") as client:
+            instances = served_config(client, IDENTITY_MODEL)["instances"]
+        load = LoadSpec("concurrency", (128,) if args.quick else (1, 4, 16, 64, 128, 256),
+                        measurement_ms=args.measurement_ms, async_mode=True,
+                        fallback_request_count=int(7000 * 3 * args.measurement_ms / 1000))
+        # Time windows even in --quick: perf_analyzer 2.51 --async with a fixed --request-count at
+        # concurrency 128+ sometimes never exits (bench/perf_analyzer.py, HANG_S).
+        rows = []
+        for level in load.levels:
+            progress.set_description(f"identity: concurrency {level:g}")
+            rows.append(measure_level(server, IDENTITY_MODEL, load, level, out / f"concurrency-{level:g}", "grpc"))
+            progress.update()
+    return {"instances": instances, "protocol": "grpc", "mode": "async", "concurrency": rows}
+
+
+def evaluate_targets(configs: dict[str, dict], identity: dict, cores: int) -> list[dict]:
+    """The issue's targets, each with what was measured and whether it was met."""
+    targets = []
+    if "throughput" in configs:
+        c = configs["throughput"]
+        targets.append({"name": "serving efficiency at saturation, throughput config", "wanted": ">= 0.95",
+                        "measured": f"{c['efficiency']:.3f} ({saturation_row(c)['throughput']:.1f} / "
+                                    f"{c['inprocess_at_max_batch']:.1f} infer/s)",
+                        "met": c["efficiency"] >= 0.95})
+        at = next(r for r in c["concurrency"] if r["level"] == 2 * c["max_batch_size"])
+        ratio = at["server"]["average_batch"] / c["max_batch_size"]
+        targets.append({"name": f"average batch at concurrency {at['level']:g} (2 x max_batch_size), "
+                                "throughput config", "wanted": f">= 0.9 x {c['max_batch_size']}",
+                        "measured": f"{at['server']['average_batch']:.1f} ({ratio:.2f} x)", "met": ratio >= 0.9})
+    if "latency" in configs:
+        c = configs["latency"]
+        one = next(r for r in c["concurrency"] if r["level"] == 1)
+        inproc = next(r for r in c["inprocess"] if r["batch_size"] == 1)["p50_ms"]
+        gap = one["p50_us"] / 1000 - inproc
+        targets.append({"name": "latency config p50 at concurrency 1 vs in-process batch 1",
+                        "wanted": "within 2 ms", "measured": f"{one['p50_us'] / 1000:.1f} vs {inproc:.1f} ms "
+                                                             f"(+{gap:.1f} ms)", "met": gap <= 2.0})
+    best = max(identity["concurrency"], key=lambda r: r["throughput"])
+    targets.append({"name": "trivial-model ceiling over gRPC", "wanted": "> 7,000 infer/s",
+                    "measured": f"{best['throughput']:,.0f} infer/s at concurrency {best['level']:g} "
+                                f"({best['throughput'] / cores:,.0f} per core)", "met": best["throughput"] > 7000})
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweeps (module doc); exit status 0, 2 when the model files are missing."""
+    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer levels, fixed request counts: ~6 min (< 3 min with --skip-pipeline)")
+    parser.add_argument("--model", default=ONNX_MODEL)
+    parser.add_argument("--configs", nargs="*", help="config names (default: all CPU configs of the model)")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--shared-memory", choices=("none", "system"), default="system",
+                        help="perf_analyzer's tensor transport (default system: same host)")
+    parser.add_argument("--measurement-ms", type=int,
+                        help="perf_analyzer measurement window, ms (default 2500, quick 1500)")
+    parser.add_argument("--out", type=Path, help="results folder (default results/bench-<time>)")
+    parser.add_argument("--pipeline-variants", nargs="+", metavar="NAME",
+                        help="config variants for the end-to-end part (server-wide --model-config-name; "
+                             "default: default, and int8 when configs/int8.pbtxt exists)")
+    parser.add_argument("--skip-tensor-sweeps", action="store_true",
+                        help="run only the end-to-end part (no per-config tensor sweeps, no identity ceiling)")
+    parser.add_argument("--skip-pipeline", action="store_true", help="leave the end-to-end part out")
+    parser.add_argument("--pipeline-served-repository", type=Path, metavar="DIR",
+                        help="serve the end-to-end part from this model repository (e.g. an older checkout's "
+                             "model_repository/, for a before/after); the in-process twin is this checkout's")
+    add_logging_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging("bench", args.log_level)
+    if missing_artifacts():
+        log.error("model files missing: run `make export` first")
+        return 2
+    if args.skip_tensor_sweeps and args.skip_pipeline:
+        parser.error("--skip-tensor-sweeps and --skip-pipeline together leave nothing to run")
+    args.measurement_ms = args.measurement_ms or (1500 if args.quick else 2500)
+    args.inprocess_s = 1.5 if args.quick else 8.0
+    #: Request rates as fractions of the in-process ceiling at max batch (its capacity on this machine).
+    args.rate_fractions = (0.7,) if args.quick else (0.3, 0.7, 0.9)
+    args.rate_configs = ("default",) if args.quick else ("default", "throughput")
+    known = config_names(args.model)
+    names = [] if args.skip_tensor_sweeps else args.configs or known
+    unknown = sorted(set(names) - {"default", *known})
+    if unknown:
+        parser.error(f"--configs: no such config of {args.model}: {', '.join(unknown)} (one of {', '.join(known)})")
+    try:
+        pipeline = None if args.skip_pipeline else replace(pipeline_options(
+            args.quick, args.pipeline_variants, None if args.quick else args.measurement_ms),
+            served_repository=args.pipeline_served_repository)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    started, ticks = time.time(), cpu_ticks()
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    run_dir = args.out.resolve() if args.out else results_dir() / f"bench-{stamp:%Y%m%d-%H%M%S}{'-quick' if args.quick else ''}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    steps = sum(len(concurrency_levels(n, *local_batching(args.model, n), quick=args.quick)) for n in names)
+    if names:
+        steps += len(args.rate_fractions) * sum(n in args.rate_configs for n in names) + (1 if args.quick else 6)
+    steps += pipeline.perf_runs if pipeline else 0
+    configs, parts, identity = {}, {}, None  # parts: the measured sections of summary.json
+    log.info("%d perf_analyzer runs planned: %s%s%s; results in %s", steps,
+             f"{len(names)} config(s) ({' '.join(names)}) and the identity ceiling" if names else "",
+             " and " if names and pipeline else "",
+             f"{pipeline.perf_runs} end-to-end runs ({' '.join(pipeline.variants)})" if pipeline else "", run_dir)
+    with Progress(steps, "run", "bench", log) as progress:
+        for name in names:
+            configs[name] = run_config(name, args.model, run_dir, args, progress)
+        if names:
+            identity = run_identity(run_dir, args, progress)
+        if pipeline:
+            parts["pipeline"] = run_pipeline(run_dir, pipeline, progress)
+    if names:
+        log.info("in-process TorchScript reference (batch 1, 16, 32)")
+        torchscript = [asdict(r) for r in inprocess.measure("torchscript", [1, 16, 32], duration_s=args.inprocess_s)]
+        parts.update({
+            "configs": list(configs.values()),
+            "inprocess": [r for c in configs.values() for r in c["inprocess"] if c["name"] == names[0]] + torchscript,
+            "identity": identity})
+    versions = [c["triton_version"] for c in configs.values()] + [
+        v["triton_version"] for v in parts.get("pipeline", {}).get("variants", [])]
+    machine = machine_info(versions[0])
+    machine["cpu_during_run"] = cpu_share(ticks, cpu_ticks())  # steal > a few % means a noisy neighbour
+    summary = {
+        "command": "python -m resnet18_kit.bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "started_utc": stamp.isoformat(timespec="seconds"), "elapsed_s": time.time() - started,
+        "model": args.model, "machine": machine,
+        "perf_analyzer": {"protocol": args.protocol, "shared_memory": args.shared_memory,
+                          "measurement_ms": args.measurement_ms},
+        "configs": [], "inprocess": [],  # "identity" only when measured (planner/measure.py reads it)
+        **parts,
+        "targets": evaluate_targets(configs, identity, machine["cores"]) if names else [],
+    }
+    (run_dir / "machine.json").write_text(json.dumps(machine, indent=2) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report = write_report(run_dir)
+    shown = report.relative_to(REPO_ROOT) if report.is_relative_to(REPO_ROOT) else report  # --out may be elsewhere
+    print(f"\nbench: {shown} ({time.time() - started:.0f} s)")
+    if summary["targets"]:
+        print("tensor sweeps (resnet18_onnx):")
+        print_targets(summary["targets"])
+    if "pipeline" in summary:
+        print("end to end (resnet18 ensemble, encoded photos):")
+        print_targets(summary["pipeline"]["targets"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

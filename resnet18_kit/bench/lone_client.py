@@ -1,0 +1,129 @@
+"""python -m resnet18_kit.bench.lone_client: one client sending tensors to `resnet18_onnx`, every request timed.
+
+The check for Triton 2.51's lost wake-up (docs/benchmarks.md): with a bounded queue and one instance, a
+request that arrives as the instance finishes can wait 500 ms. A lone client is the worst case: each
+request is sent the moment the previous answer arrives. For `--seconds` (default 60) one gRPC client with
+system shared memory (client.classifier.TritonClassifierClient, the product's client) sends FP32
+[1, 3, 224, 224] batches back to back to the config variant's `resnet18_onnx`; every request's latency is
+timed on the client. Beside it, before and after, the same network in-process (the variant's runtime
+spec, batch 1, bench.inprocess.measure): the figure a server cannot beat.
+
+Reports p50 / p99 / max ms and the requests over 200 ms, served and in-process, and the two checks:
+served p99 <= 2 x in-process batch-1 p99 (the mean of before and after), and no request over 200 ms.
+Writes results/lone-client-<UTC time>/lone_client.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from resnet18_kit.bench import inprocess
+from resnet18_kit.observe.model_config import DEFAULT_VARIANT, config_parameters, variant_config, variant_exists
+from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.contract import results_dir, ONNX_MODEL, ONNX_PATH, REPO_ROOT, missing_artifacts, runtimes
+from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+#: A request slower than this is a stall (the lost wake-up sleeps 500 ms; a batch-1 execution takes ~12 ms).
+STALL_MS = 200.0
+
+
+def latency_summary_ms(latencies_ms: np.ndarray) -> dict:
+    """{requests, p50_ms, p99_ms, max_ms, over_200_ms} of latencies in milliseconds (numpy's linear
+    percentiles)."""
+    return {"requests": int(latencies_ms.size), "p50_ms": float(np.percentile(latencies_ms, 50)),
+            "p99_ms": float(np.percentile(latencies_ms, 99)), "max_ms": float(latencies_ms.max()),
+            "over_200_ms": int(np.sum(latencies_ms > STALL_MS))}
+
+
+def inprocess_batch1(variant: str, duration_s: float) -> dict:
+    """The variant's network in-process at batch 1 for duration_s: {p50_ms, p99_ms, img_per_s}."""
+    spec = runtimes().RuntimeSpec.from_parameters(config_parameters(variant_config(ONNX_MODEL, variant)),
+                                                  ONNX_PATH.parent)
+    (result,) = inprocess.measure(spec.runtime, [1], duration_s=duration_s, runner=runtimes().load(spec))
+    return {"p50_ms": result.p50_ms, "p99_ms": result.p99_ms, "img_per_s": result.throughput}
+
+
+def served_lone_client(url: str, seconds: float) -> np.ndarray:
+    """Latencies (ms) of back-to-back batch-1 tensor requests from one gRPC client for `seconds`."""
+    batch = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    latencies = []
+    with TritonClassifierClient(url, "grpc", shared_memory=True) as client:
+        client.infer_tensor(batch, model=ONNX_MODEL)  # registers the shared-memory regions, untimed
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            client.infer_tensor(batch, model=ONNX_MODEL)
+            latencies.append((time.perf_counter() - started) * 1e3)
+    return np.array(latencies)
+
+
+def measure(variant: str, seconds: float, inprocess_s: float, out: Path,
+            served_repository: Path | None = None) -> dict:
+    """In-process, served for `seconds` (from `served_repository` when given), in-process again; the
+    record written by main(). The server's log goes to out/tritonserver.log."""
+    before = inprocess_batch1(variant, inprocess_s)
+    config = config_on_free_ports(model_config_name=None if variant == DEFAULT_VARIANT else variant,
+                                  **({"model_repository": served_repository} if served_repository else {}))
+    with EmbeddedTritonServer(config, log_path=out / "tritonserver.log"):
+        served = latency_summary_ms(served_lone_client(config.grpc_url, seconds))
+    after = inprocess_batch1(variant, inprocess_s)
+    reference_p99_ms = (before["p99_ms"] + after["p99_ms"]) / 2
+    return {"variant": variant, "seconds": seconds, "served_repository": str(served_repository or ""),
+            "served": served,
+            "inprocess_before": before, "inprocess_after": after, "inprocess_p99_ms": reference_p99_ms,
+            "checks": [
+                {"name": "served p99 <= 2 x in-process batch-1 p99", "met": served["p99_ms"] <= 2 * reference_p99_ms,
+                 "measured": f"{served['p99_ms']:.1f} ms vs 2 x {reference_p99_ms:.1f} ms"},
+                {"name": f"no request over {STALL_MS:.0f} ms", "met": served["over_200_ms"] == 0,
+                 "measured": f"{served['over_200_ms']} of {served['requests']} (max {served['max_ms']:.1f} ms)"}]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.bench.lone_client", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", default=DEFAULT_VARIANT, help="config variant (default: config.pbtxt)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of the served run (default 60)")
+    parser.add_argument("--inprocess-s", type=float, default=5.0, help="in-process seconds, before and after")
+    parser.add_argument("--out", type=Path, help="results folder (default results/lone-client-<time>)")
+    parser.add_argument("--served-repository", type=Path, metavar="DIR",
+                        help="serve from this model repository (e.g. an older checkout's, for a before/after); "
+                             "the in-process figure is this checkout's")
+    args = parser.parse_args(argv)
+    if missing_artifacts():
+        print("bench.lone_client: model files missing: run `make export` first", file=sys.stderr)
+        return 2
+    if not variant_exists(args.variant):
+        print(f"bench.lone_client: no configs/{args.variant}.pbtxt in the model repository", file=sys.stderr)
+        return 2
+    if args.served_repository is not None and not (args.served_repository / "resnet18_onnx").is_dir():
+        print(f"bench.lone_client: --served-repository: no model repository with resnet18_onnx at "
+              f"{args.served_repository}", file=sys.stderr)
+        return 2
+    if args.seconds <= 0 or args.inprocess_s <= 0:
+        print("bench.lone_client: --seconds and --inprocess-s must be > 0", file=sys.stderr)
+        return 2
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    out = args.out or results_dir() / f"lone-client-{stamp:%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    record = measure(args.variant, args.seconds, args.inprocess_s, out, args.served_repository)
+    record["command"] = "python -m resnet18_kit.bench.lone_client " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "lone_client.json").write_text(json.dumps(record, indent=2) + "\n")
+    s = record["served"]
+    print(f"served ({args.variant}, gRPC, 1 client, {args.seconds:g} s): {s['requests']} requests, "
+          f"p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, max {s['max_ms']:.1f} ms")
+    print(f"in-process batch 1: p99 {record['inprocess_before']['p99_ms']:.1f} / "
+          f"{record['inprocess_after']['p99_ms']:.1f} ms (before / after)")
+    for check in record["checks"]:
+        print(f"  {'met   ' if check['met'] else 'MISSED'} {check['name']}: {check['measured']}")
+    print(f"bench.lone_client: {out / 'lone_client.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The end-to-end pipeline in-process, with no server: the twin a served config variant is measured against.
+
+Encoded photo bytes -> decode + transform (the preprocess model's own code,
+model_repository/preprocess/1/image_transform.py via resnet18_kit.contract.image_transform(), with the limits
+of the variant's preprocess config) -> FP32 [B, 3, 224, 224] -> the network (the resnet18_onnx model's own
+loader, runtimes.py via resnet18_kit.contract.runtimes(): RuntimeSpec.from_parameters with the parameters of
+the variant's resnet18_onnx config, then runtimes.load) -> logits FP32 [B, 1000]. What the twin copies
+from the variant's configs (bench/pipeline_config.py):
+  * B = the network config's max_batch_size;
+  * decode threads = the preprocess config's instance count (Pillow's decoders and resize, and numpy's
+    arithmetic, release the GIL, so threads decode in parallel as the stub processes do);
+  * network workers = how many network instances Triton runs at once (pipeline_config.
+    concurrent_executions: 1 for the default config, whose two instances share the rate limiter's
+    "cores"; 2 for int8's two single-threaded instances), each with its own runtime session.
+
+Two figures, over the same photo bytes cycled in order:
+  * saturation throughput (img/s): the decode threads fill batches of B rows while the network workers
+    run the batches already filled (a producer/consumer pipeline through a queue of depth 2). After each
+    worker's first batch (warm-up), img/s = B x (n - 1) / (t_n - t_1), with t_1 .. t_n the completion
+    times of the n >= 3 batches completed in the timed window: the steady rate between completions;
+  * batch-1 latency (ms): per image, decode it and run the network on a batch of 1, one after the other
+    on one thread (what a lone request costs without a server); p50 and p99 over the timed images.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from resnet18_kit.observe.model_config import (concurrent_executions, config_parameters, instance_count,
+                                   variant_config)
+from resnet18_kit.contract import IMAGE_SHAPE, ONNX_MODEL, ONNX_PATH, PREPROCESS_MODEL, image_transform, runtimes
+
+#: Batches the decode threads may have filled ahead of the network (the queue between the two stages).
+QUEUE_DEPTH = 2
+#: Shape of one network input row: FP32 [3, 224, 224].
+ROW_SHAPE = IMAGE_SHAPE
+#: The warm-up (every network worker's first batch) must end within this many seconds.
+WARMUP_LIMIT_S = 120.0
+
+
+class _Batch:
+    """One batch being filled by the decode threads: pixels FP32 [B, 3, 224, 224]; claimed: rows handed
+    to a decode thread; decoded: rows written."""
+
+    def __init__(self, batch_size: int):
+        self.pixels = np.empty((batch_size, *ROW_SHAPE), np.float32)
+        self.claimed = 0
+        self.decoded = 0
+
+
+@dataclass
+class InProcessPipelineResult:
+    """One in-process measurement of a variant's pipeline on one photo set.
+
+    saturation_img_per_s: images/s through decode + network at saturation; saturation_batches: batches
+    timed (n above). batch1_p50_ms / batch1_p99_ms: decode + network at batch 1, per image, milliseconds;
+    batch1_images: images timed."""
+
+    saturation_img_per_s: float
+    saturation_batches: int
+    batch1_p50_ms: float
+    batch1_p99_ms: float
+    batch1_images: int
+
+
+class PipelineTwin:
+    """A config variant's pipeline in-process (see the module docstring), its runtimes loaded once.
+
+    variant: a tritonserver --model-config-name ("default" = config.pbtxt everywhere).
+    Attributes: spec (runtimes.RuntimeSpec of the variant's network), batch_size, decode_threads,
+    network_workers, limits (image_transform.ImageLimits of the variant's preprocess config)."""
+
+    def __init__(self, variant: str):
+        network = variant_config(ONNX_MODEL, variant)
+        preprocess = variant_config(PREPROCESS_MODEL, variant)
+        loaders, transform = runtimes(), image_transform()
+        self.variant = variant
+        self.spec = loaders.RuntimeSpec.from_parameters(config_parameters(network), ONNX_PATH.parent)
+        self.batch_size = int(network.max_batch_size)
+        self.decode_threads = instance_count(preprocess)
+        self.network_workers = concurrent_executions(network)
+        params = config_parameters(preprocess)
+        self.limits = transform.ImageLimits(max_image_bytes=int(params["max_image_bytes"]),
+                                            max_image_pixels=int(params["max_image_pixels"]),
+                                            max_aspect_ratio=float(params["max_aspect_ratio"]))
+        self._preprocess = transform.preprocess
+        self.runners = [loaders.load(self.spec) for _ in range(self.network_workers)]
+
+    def describe(self) -> dict:
+        """The arrangement, for the report: runtime spec fields, batch size, thread counts."""
+        return {"variant": self.variant, "model_file": self.spec.path.name, "runtime": self.spec.runtime,
+                "intra_op_threads": self.spec.threads, "allow_spinning": self.spec.allow_spinning,
+                "precision": self.spec.precision, "batch_size": self.batch_size,
+                "decode_threads": self.decode_threads, "network_workers": self.network_workers}
+
+    def decode_into(self, data: bytes, row: np.ndarray) -> None:
+        """Decode + transform one encoded image into `row` (FP32 [3, 224, 224]), as the served model does."""
+        self._preprocess(data, self.limits, out=row)
+
+    def saturation(self, photos: list[bytes], duration_s: float) -> tuple[float, int]:
+        """Images/s of the pipelined decode -> network at saturation, and the batches timed (module
+        docstring). Warm-up until every network worker ran one batch, then about duration_s seconds, and
+        on until at least 3 batches completed in the timed window."""
+        batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+        stop, warm, lock = threading.Event(), threading.Event(), threading.Lock()
+        order = itertools.cycle(range(len(photos)))
+        filling = [_Batch(self.batch_size)]
+        finished = [0]  # batches the network completed, warm-up included
+        completions: list[float] = []  # perf_counter() at each completion in the timed window
+        errors: list[BaseException] = []
+
+        def decode() -> None:
+            while not stop.is_set():
+                with lock:
+                    if filling[0].claimed == self.batch_size:
+                        filling[0] = _Batch(self.batch_size)
+                    batch, row, data = filling[0], filling[0].claimed, photos[next(order)]
+                    batch.claimed += 1
+                self.decode_into(data, batch.pixels[row])
+                with lock:
+                    batch.decoded += 1
+                    complete = batch.decoded == self.batch_size
+                while complete and not stop.is_set():
+                    try:
+                        batches.put(batch.pixels, timeout=0.05)
+                        break
+                    except queue.Full:
+                        pass
+
+        def network(run) -> None:
+            while not stop.is_set():
+                try:
+                    pixels = batches.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                run(pixels)
+                with lock:
+                    finished[0] += 1
+                    if warm.is_set():
+                        completions.append(time.perf_counter())
+
+        def guarded(target, *args) -> None:
+            try:
+                target(*args)
+            except BaseException as exc:  # noqa: BLE001 - raised again by the caller
+                errors.append(exc)
+                stop.set()
+
+        workers = [threading.Thread(target=guarded, args=(decode,)) for _ in range(self.decode_threads)]
+        workers += [threading.Thread(target=guarded, args=(network, run)) for run in self.runners]
+        for worker in workers:
+            worker.start()
+        try:
+            give_up = time.perf_counter() + WARMUP_LIMIT_S
+            while not stop.is_set() and finished[0] < self.network_workers:
+                if time.perf_counter() > give_up:
+                    raise TimeoutError(f"in-process pipeline: no batch through the network in {WARMUP_LIMIT_S:g} s")
+                time.sleep(0.01)
+            warm.set()
+            ends = time.perf_counter() + duration_s
+            while not stop.is_set() and (time.perf_counter() < ends or len(completions) < 3):
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join()
+        if errors:
+            raise errors[0]
+        times = np.array(completions)
+        return float(self.batch_size * (len(times) - 1) / (times[-1] - times[0])), len(times)
+
+    def batch1_latency(self, photos: list[bytes], duration_s: float, min_images: int = 20
+                       ) -> tuple[float, float, int]:
+        """(p50 ms, p99 ms, images timed) of decode + network at batch 1 per image, for about duration_s
+        seconds and at least min_images images (after one untimed pass over the photos)."""
+        pixels = np.empty((1, *ROW_SHAPE), np.float32)
+        run = self.runners[0]
+        for data in photos:
+            self.decode_into(data, pixels[0])
+            run(pixels)
+        times = []
+        ends = time.perf_counter() + duration_s
+        for data in itertools.cycle(photos):
+            if len(times) >= min_images and time.perf_counter() >= ends:
+                break
+            started = time.perf_counter()
+            self.decode_into(data, pixels[0])
+            run(pixels)
+            times.append(time.perf_counter() - started)
+        ms = np.array(times) * 1e3
+        return float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), len(times)
+
+    def measure(self, photos: list[bytes], saturation_s: float, batch1_s: float) -> dict:
+        """Both figures on `photos` (encoded files): an InProcessPipelineResult as a dict."""
+        throughput, batches_timed = self.saturation(photos, saturation_s)
+        p50_ms, p99_ms, images = self.batch1_latency(photos, batch1_s)
+        return asdict(InProcessPipelineResult(throughput, batches_timed, p50_ms, p99_ms, images))
+
+
+def mean_of(before: dict, after: dict) -> dict:
+    """Field-wise mean of two InProcessPipelineResult dicts (before and after a served sweep), so a
+    drift of a shared machine's speed during the sweep does not land on one side only."""
+    return {key: (before[key] + after[key]) / 2 for key in before}

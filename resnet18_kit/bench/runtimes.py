@@ -1,0 +1,128 @@
+"""python -m resnet18_kit.bench.runtimes: every CPU runtime of the network side by side in-process, with its agreement.
+
+One run, on this machine, of the exported ResNet-18 by each runtime the served models can use
+(model_repository/resnet18_onnx/1/runtimes.py, the same loader code): ONNX Runtime FP32 and INT8,
+OpenVINO FP32 / BF16 (its INFERENCE_PRECISION_HINT) / INT8, TorchScript FP32. For each: images/s and
+p50 / p99 latency of one batch at each batch size, with every core (threads 0) and with one thread (the
+served int8 variant's arrangement); then each one's logits against ONNX Runtime FP32 (the reference) on
+real photos through the served transform: the sample photos and the held-out photos, each also mirrored
+(client/samples.py): top-1 agreement, top-5 overlap, max |logit difference| (export/quantize.py).
+
+Rounds: the runtimes are measured in turn, `--rounds` times (A/B interleaved), and each figure is the
+median over rounds, so a drift of a shared machine's speed does not land on one runtime only.
+Writes results/runtimes-<UTC time>/runtimes.json and prints a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from resnet18_kit.bench import inprocess
+from resnet18_kit.client.samples import HELD_OUT_PHOTO_NAMES, sample_photos
+from resnet18_kit import contract
+from resnet18_kit.export.quantize import agreement, calibration_batch
+
+#: name -> (file, runtime, precision). INT8 files keep some layers in floating point: "f32" for them.
+CANDIDATES = {
+    "onnxruntime fp32": (contract.ONNX_PATH, "onnxruntime", "f32"),
+    "onnxruntime int8": (contract.ONNX_INT8_PATH, "onnxruntime", "f32"),
+    "openvino fp32": (contract.ONNX_PATH, "openvino", "f32"),
+    "openvino bf16": (contract.ONNX_PATH, "openvino", "bf16"),
+    "openvino int8": (contract.ONNX_INT8_PATH, "openvino", "f32"),
+    "torchscript fp32": (contract.TORCHSCRIPT_PATH, "torchscript", "f32"),
+}
+REFERENCE = "onnxruntime fp32"
+
+
+def spec(name: str, threads: int):
+    """The runtimes.RuntimeSpec of candidate `name` with `threads` intra-op threads (0 = all cores)."""
+    path, runtime, precision = CANDIDATES[name]
+    return contract.runtimes().RuntimeSpec(path=path, runtime=runtime, threads=threads, precision=precision)
+
+
+def measure_speed(names: list[str], batch_sizes: list[int], threads: list[int], rounds: int,
+                  duration_s: float) -> list[dict]:
+    """Rows {name, threads, batch_size, img_per_s, p50_ms, p99_ms, rounds}: medians over `rounds`
+    interleaved rounds of inprocess.measure (duration_s seconds per batch size and round)."""
+    load = contract.runtimes().load
+    runners = {(n, t): load(spec(n, t)) for n in names for t in threads}
+    samples: dict[tuple, list] = {}
+    for _ in range(rounds):
+        for (name, t), run in runners.items():
+            for r in inprocess.measure(name, batch_sizes, duration_s=duration_s, runner=run):
+                samples.setdefault((name, t, r.batch_size), []).append(r)
+    return [{"name": n, "threads": t, "batch_size": b,
+             "img_per_s": float(np.median([r.throughput for r in rs])),
+             "p50_ms": float(np.median([r.p50_ms for r in rs])),
+             "p99_ms": float(np.median([r.p99_ms for r in rs])), "rounds": len(rs)}
+            for (n, t, b), rs in samples.items()]
+
+
+def measure_agreement(names: list[str]) -> dict[str, dict]:
+    """Per candidate: Agreement (as a dict) of its logits with the reference's on the sample and held-out
+    photos (and their mirror images), FP32 [N, 3, 224, 224] through the served transform."""
+    batch = calibration_batch(sample_photos() + sample_photos(HELD_OUT_PHOTO_NAMES))
+    load = contract.runtimes().load
+    reference = load(spec(REFERENCE, 0))(batch)[0]  # [logits, probabilities]: the logits
+    return {name: asdict(agreement(reference, load(spec(name, 0))(batch)[0])) for name in names}
+
+
+def markdown(rows: list[dict], agree: dict[str, dict], batch_sizes: list[int]) -> str:
+    """One line per runtime and thread count: img/s and p50/p99 ms per batch size, then its agreement."""
+    header = ["runtime", "threads"] + [f"batch {b}: img/s, p50 / p99 ms" for b in batch_sizes] + [
+        "top-1 agreement", "top-5 overlap", "max abs logit diff"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, t in dict.fromkeys((r["name"], r["threads"]) for r in rows):
+        cells = [name, str(t) if t else "all cores"]
+        for b in batch_sizes:
+            r = next(r for r in rows if (r["name"], r["threads"], r["batch_size"]) == (name, t, b))
+            cells.append(f"{r['img_per_s']:.1f}, {r['p50_ms']:.1f} / {r['p99_ms']:.1f}")
+        a = agree[name]
+        cells += [f"{a['top1_agreement']:.3f}", f"{a['top5_overlap']:.3f}", f"{a['max_abs_logit_diff']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.bench.runtimes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runtimes", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES),
+                        metavar="NAME", help=f"default: all of {', '.join(CANDIDATES)}")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 16])
+    parser.add_argument("--threads", type=int, nargs="*", default=[0, 1],
+                        help="intra-op thread counts to try (0 = one per core; default 0 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, median reported (default 3)")
+    parser.add_argument("--duration-s", type=float, default=2.0, help="seconds per batch size and round")
+    parser.add_argument("--out", type=Path, help="results folder (default results/runtimes-<time>)")
+    args = parser.parse_args(argv)
+    missing = contract.missing_artifacts()
+    if missing:
+        print(f"bench.runtimes: model files missing ({missing[0].name}): run `make export` first", file=sys.stderr)
+        return 2
+    if min(args.batch_sizes + [1]) < 1 or args.rounds < 1 or args.duration_s <= 0:
+        print("bench.runtimes: --batch-sizes and --rounds must be >= 1, --duration-s > 0", file=sys.stderr)
+        return 2
+    names = list(dict.fromkeys([REFERENCE] + args.runtimes))
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    out = args.out or contract.results_dir() / f"runtimes-{stamp:%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = measure_speed(names, args.batch_sizes, args.threads, args.rounds, args.duration_s)
+    agree = measure_agreement(names)
+    table = markdown(rows, agree, args.batch_sizes)
+    (out / "runtimes.json").write_text(json.dumps({
+        "command": "python -m resnet18_kit.bench.runtimes " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "started_utc": stamp.isoformat(timespec="seconds"), "reference": REFERENCE,
+        "rows": rows, "agreement": agree, "markdown": table}, indent=2) + "\n")
+    print(table)
+    print(f"\nbench.runtimes: {out / 'runtimes.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

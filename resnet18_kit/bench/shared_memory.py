@@ -1,0 +1,76 @@
+"""python -m resnet18_kit.bench.shared_memory: what system shared memory saves over plain transfer, batch of 32.
+
+Starts the embedded tritonserver with the `throughput` variant (resnet18_onnx accepts batches of 32),
+then, in the same run and interleaved, sends the same FP32 [32, 3, 224, 224] batch (19.3 MB in, 128 kB
+out) with `TritonClassifierClient(shared_memory=False)` and `(shared_memory=True)`, over HTTP and gRPC.
+Prints per call: wall time (ms, mean and p50) and the client process's CPU time (ms), and what shared
+memory changes. Not a test: figures depend on the machine; docs/benchmarks.md quotes a run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from resnet18_kit.client.classifier import PROTOCOLS, TritonClassifierClient
+from resnet18_kit.contract import results_dir, ONNX_MODEL, REPO_ROOT
+from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+
+def time_calls(client: TritonClassifierClient, batch: np.ndarray, repeats: int) -> tuple[list[float], list[float]]:
+    """(wall seconds, client CPU seconds) of each of `repeats` infer_tensor calls."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        client.infer_tensor(batch, model=ONNX_MODEL)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return walls, cpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.bench.shared_memory", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=10, help="calls per mode and round (default 10)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations plain/shared (default 3)")
+    args = parser.parse_args(argv)
+
+    batch = np.random.default_rng(0).standard_normal((args.batch_size, 3, 224, 224), dtype=np.float32)
+    log = results_dir() / "bench-shared-memory-tritonserver.log"
+    log.parent.mkdir(exist_ok=True)
+    config = config_on_free_ports(model_config_name="throughput")
+    print(f"batch FP32 {list(batch.shape)}: {batch.nbytes / 1e6:.1f} MB in, "
+          f"{args.batch_size * 4000 / 1e3:.0f} kB out; {args.rounds} rounds x {args.repeats} calls per mode")
+    with EmbeddedTritonServer(config, log_path=log):
+        for protocol in PROTOCOLS:
+            url = config.http_url if protocol == "http" else config.grpc_url
+            samples = {False: ([], []), True: ([], [])}
+            with TritonClassifierClient(url, protocol) as plain, \
+                    TritonClassifierClient(url, protocol, shared_memory=True) as shared:
+                clients = {False: plain, True: shared}
+                np.testing.assert_array_equal(plain.infer_tensor(batch), shared.infer_tensor(batch))  # + warm
+                for _ in range(args.rounds):
+                    for mode, client in clients.items():
+                        walls, cpus = time_calls(client, batch, args.repeats)
+                        samples[mode][0].extend(walls)
+                        samples[mode][1].extend(cpus)
+            print(f"\n{protocol.upper():<5} {'mode':<14} {'wall mean':>10} {'wall p50':>9} {'client CPU':>11}")
+            for mode, label in ((False, "plain"), (True, "shared memory")):
+                walls, cpus = samples[mode]
+                print(f"{'':<5} {label:<14} {statistics.mean(walls) * 1e3:8.1f} ms "
+                      f"{statistics.median(walls) * 1e3:6.1f} ms {statistics.mean(cpus) * 1e3:8.1f} ms")
+            saved_wall = statistics.mean(samples[False][0]) - statistics.mean(samples[True][0])
+            saved_cpu = statistics.mean(samples[False][1]) - statistics.mean(samples[True][1])
+            print(f"{'':<5} {'saved':<14} {saved_wall * 1e3:8.1f} ms "
+                  f"({saved_wall / statistics.mean(samples[False][0]):.1%} of the plain wall time), "
+                  f"client CPU {saved_cpu * 1e3:.1f} ms per call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""python -m resnet18_kit.bench.stub_profile: where the Python-backend stubs spend their time under load (py-spy).
+
+Starts the embedded tritonserver with one config of the model, keeps perf_analyzer running at one
+concurrency (gRPC, system shared memory, as `python -m resnet18_kit.bench`), and meanwhile samples every stub process
+with `py-spy record --idle` for `--seconds`. Each sample is one moment of the stub's main thread:
+
+  * in ONNX Runtime (`Session.run`) or TorchScript (the model's forward): compute;
+  * elsewhere in `execute()`: the Python work around the model (reading inputs, concatenating, splitting,
+    building responses);
+  * no Python frame: the stub is outside Python, i.e. waiting for Triton to hand it the next batch or
+    moving tensors through its shared memory (the part of the round trip the stub itself runs).
+
+Prints, per stub, the share of samples in each class (the busy share of an instance is the first two).
+py-spy reads the stub's embedded CPython 3.11 from outside; it needs ptrace (root here, or
+`kernel.yama.ptrace_scope=0`). Raw py-spy output is left in --out.
+
+    .venv/bin/python -m resnet18_kit.bench.stub_profile --config throughput --concurrency 64 --seconds 20
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from resnet18_kit.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
+from resnet18_kit.contract import results_dir, REPO_ROOT
+from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+#: Frames that are the model itself, not the Python around it.
+COMPUTE_FRAMES = ("Session.run", "torch/nn/modules", "RecursiveScriptModule")
+
+
+def classify(stack: str) -> str:
+    """'compute', 'python' or 'outside python' for one py-spy raw stack ("frame;frame;..." or empty)."""
+    if not stack.strip():
+        return "outside python"
+    return "compute" if any(frame in stack for frame in COMPUTE_FRAMES) else "python"
+
+
+def summarize(raw_path: Path) -> Counter:
+    """Samples per class from a `py-spy record -f raw` file (lines "stack count"; idle stacks may be
+    empty or consist of the thread name only)."""
+    shares: Counter = Counter()
+    for line in raw_path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = ";".join(f for f in stack.split(";") if "(" in f)  # drop "thread (0x..)"-only entries
+        shares[classify(frames)] += int(count)
+    return shares
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet18_onnx")
+    parser.add_argument("--config", default="throughput", help="config name (default: config.pbtxt)")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=20.0, help="py-spy sampling time")
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--out", type=Path, default=results_dir() / "stub-profile")
+    args = parser.parse_args(argv)
+    py_spy = Path(sys.executable).parent / "py-spy"
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = config_on_free_ports(model_config_name=None if args.config == "default" else args.config)
+    with EmbeddedTritonServer(config, log_path=args.out / "tritonserver.log") as server:
+        # perf_analyzer runs past the sampling window: warm-up, then at least the sampled seconds.
+        load = LoadSpec("concurrency", (args.concurrency,), shared_memory="system",
+                        output_shm_bytes=RESNET18_LOGITS_BYTES, measurement_ms=int((args.seconds + 10) * 1000),
+                        max_trials=1, stability_pct=100)
+        loader = threading.Thread(target=run_level, daemon=True,
+                                  args=(args.model, config.grpc_url, "grpc", load, args.concurrency, args.out / "load"))
+        loader.start()
+        time.sleep(8.0)  # past perf_analyzer's start and the first batches
+        stubs = {name: pid for name, pid in server.stub_processes().items() if name.startswith(args.model + "_")}
+        records = {name: subprocess.Popen([str(py_spy), "record", "--idle", "-f", "raw", "-r", str(args.rate),
+                                           "-d", str(int(args.seconds)), "-p", str(pid),
+                                           "-o", str(args.out / f"{name}.txt")],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                   for name, pid in sorted(stubs.items())}
+        for process in records.values():
+            process.wait()
+        loader.join()
+    print(f"{args.model} config {args.config}, perf_analyzer concurrency {args.concurrency}, "
+          f"py-spy --idle {args.rate}/s for {args.seconds:g} s per stub:")
+    for name in records:
+        shares = summarize(args.out / f"{name}.txt")
+        total = sum(shares.values()) or 1
+        print(f"  {name}: {total} samples; " + ", ".join(
+            f"{kind} {shares[kind] / total:.0%}" for kind in ("compute", "python", "outside python")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

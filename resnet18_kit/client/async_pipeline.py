@@ -1,0 +1,133 @@
+"""python -m resnet18_kit.client.async_pipeline: an asyncio producer/consumer pipeline against the `resnet18` ensemble.
+
+One producer task sends single-image requests at --rate requests/s (Poisson arrivals; 0 = as fast as the
+in-flight limit allows), with at most --max-in-flight outstanding; the server's dynamic batcher, not the
+client, forms the batches. Each request runs in its own task of one asyncio.TaskGroup, so the pipeline
+ends when the producer has sent everything and the last answer is in: no sentinel values, no task left
+behind, and any unexpected error cancels the rest and is raised.
+
+Prints client-side latency percentiles (ms, from send to answer, retries of a full queue included),
+throughput (requests/s), queue-full retries, and the average batch size the server formed per model
+(nv_inference_count / nv_inference_exec_count from the metrics endpoint, this run's increase).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import sys
+import time
+
+import numpy as np
+
+from resnet18_kit.client.backoff import RetryPolicy
+from resnet18_kit.client.classifier import DEFAULT_URLS, PROTOCOLS, AsyncTritonClassifierClient
+from resnet18_kit.client.errors import InferenceError
+from resnet18_kit.observe.metrics import average_batch_size, model_counters
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
+
+BATCHED_MODELS = (PREPROCESS_MODEL, ONNX_MODEL)
+
+
+async def run_pipeline(client: AsyncTritonClassifierClient, images: list[bytes], requests: int,
+                       rate_per_s: float, max_in_flight: int, seed: int = 0) -> tuple[list[float], int]:
+    """Send `requests` single-image classify calls; return (latencies in seconds, failed count).
+
+    rate_per_s: mean arrival rate of the Poisson producer (exponential gaps); 0 = no pacing.
+    max_in_flight: the producer waits for a free slot before sending beyond this many.
+    """
+    slots = asyncio.Semaphore(max_in_flight)
+    latencies: list[float] = []
+    failures = 0
+    rng = random.Random(seed)
+
+    async def one_request(image: bytes) -> None:
+        nonlocal failures
+        started = time.perf_counter()
+        try:
+            await client.classify([image], top_k=1)
+            latencies.append(time.perf_counter() - started)
+        except InferenceError as exc:
+            failures += 1
+            print(f"request failed: {exc}", file=sys.stderr)
+        finally:
+            slots.release()
+
+    async with asyncio.TaskGroup() as group:  # exits once every request task has finished
+        next_send = time.perf_counter()
+        for image in itertools.islice(itertools.cycle(images), requests):
+            if rate_per_s > 0:
+                next_send += rng.expovariate(rate_per_s)
+                await asyncio.sleep(max(0.0, next_send - time.perf_counter()))
+            await slots.acquire()
+            group.create_task(one_request(image))
+    return latencies, failures
+
+
+def percentiles_ms(latencies_s: list[float]) -> dict[str, float]:
+    """p50/p90/p95/p99/max of the latencies, in milliseconds (numpy's linear interpolation)."""
+    values = np.asarray(latencies_s) * 1000.0
+    marks = {f"p{q}": float(np.percentile(values, q)) for q in (50, 90, 95, 99)}
+    return {**marks, "max": float(values.max()), "mean": float(values.mean())}
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    images = [p.read_bytes() for p in sample_photos()]
+    retry = RetryPolicy(deadline_s=args.deadline_s)
+    async with AsyncTritonClassifierClient(args.url, args.protocol, retry=retry) as client:
+        if not await client.is_model_ready(ENSEMBLE_MODEL):
+            print(f"async_pipeline: model '{ENSEMBLE_MODEL}' is not ready at {args.url}", file=sys.stderr)
+            return 2
+        before = {m: model_counters(args.metrics_url, m) for m in BATCHED_MODELS}
+        started = time.perf_counter()
+        latencies, failures = await run_pipeline(client, images, args.requests, args.rate,
+                                                 args.max_in_flight, args.seed)
+        elapsed = time.perf_counter() - started
+        retries = client.retries
+    after = {m: await asyncio.to_thread(model_counters, args.metrics_url, m) for m in BATCHED_MODELS}
+
+    print(f"{len(latencies)} answered, {failures} failed, {retries} queue-full retries, "
+          f"in {elapsed:.2f} s = {len(latencies) / elapsed:.1f} requests/s "
+          f"({args.protocol}, {args.max_in_flight} in flight, rate "
+          f"{'unpaced' if args.rate <= 0 else f'{args.rate:g}/s Poisson'})")
+    if latencies:
+        print("latency ms: " + "  ".join(f"{k} {v:.1f}" for k, v in percentiles_ms(latencies).items()))
+    for model in BATCHED_MODELS:
+        delta = {k: after[model].get(k, 0.0) - before[model].get(k, 0.0)
+                 for k in ("nv_inference_count", "nv_inference_exec_count")}
+        print(f"server batches {model:<14} {delta['nv_inference_count']:.0f} inferences in "
+              f"{delta['nv_inference_exec_count']:.0f} executions: average batch {average_batch_size(delta):.2f}")
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.client.async_pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
+    parser.add_argument("--url", help="host:port (default 127.0.0.1:8001 for grpc, :8000 for http)")
+    parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
+    parser.add_argument("--requests", type=int, default=512, help="requests to send (default 512)")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="mean requests/s, Poisson arrivals; 0 = unpaced (default)")
+    parser.add_argument("--max-in-flight", type=int, default=64, help="outstanding requests (default 64)")
+    parser.add_argument("--deadline-s", type=float, default=60.0, help="per request, retries included")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    args = parser.parse_args(argv)
+    if args.requests < 1 or args.max_in_flight < 1 or args.rate < 0 or args.deadline_s <= 0:
+        parser.error("--requests and --max-in-flight must be >= 1, --rate >= 0, --deadline-s > 0")
+    args.url = args.url or DEFAULT_URLS[args.protocol]
+    try:
+        return asyncio.run(main_async(args))
+    except InferenceError as exc:
+        print(f"async_pipeline: {args.protocol} server at {args.url}: {exc.message}", file=sys.stderr)
+    except OSError as exc:  # the metrics endpoint (urllib.error.URLError is an OSError)
+        print(f"async_pipeline: cannot read the metrics at {args.metrics_url}: {exc}", file=sys.stderr)
+    except ValueError as exc:  # client.urls.host_port
+        print(f"async_pipeline: --url: {exc}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

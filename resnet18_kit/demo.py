@@ -1,0 +1,83 @@
+"""python -m resnet18_kit.demo: the main job. Serve the model repository with Triton and classify real photos.
+
+Exports ResNet-18 if needed, starts the embedded tritonserver, sends the sample photos (from the
+scikit-image wheel) to the `resnet18` ensemble as concurrent single-image requests over HTTP and gRPC,
+prints each photo's top-5, shows how the dynamic batcher grouped them (metrics endpoint), and stops.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from resnet18_kit.client.classify import classify_files, format_predictions
+from resnet18_kit.observe.metrics import average_batch_size, model_counters
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.contract import results_dir, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, PROVENANCE_PATHS, REPO_ROOT
+from resnet18_kit.server.__main__ import InsecureBindError, add_server_arguments, config_from_args, ensure_exported
+from resnet18_kit.server.embedded import EmbeddedTritonServer
+from resnet18_kit.server.server_log import cpu_only_explanation, is_cuda_notice
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo (module doc); exit status 0, 1 when a photo got no answer, 2 on a refused --host."""
+    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_arguments(parser)
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except InsecureBindError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    ensure_exported()
+    provenance = json.loads(PROVENANCE_PATHS[0].read_text())
+    weights = provenance["weights"]
+    random_weights = weights.startswith("random:")
+    if random_weights:  # said first, before any label is printed
+        reason = provenance.get("weights_unavailable_reason") or "not recorded"
+        print(f"demo: NOTE the model's weights are a seeded RANDOM init ({weights}): ImageNet weights were not "
+              f"available\n      (reason: {reason}).\n      Every label below is meaningless and marked "
+              f"[random weights]; see README 'Weights'.", flush=True)
+
+    photos = sample_photos()
+    failures = 0
+    log_path = results_dir() / "demo-tritonserver.log"
+    log_path.parent.mkdir(exist_ok=True)
+    print(f"demo: starting tritonserver (log: {log_path.relative_to(REPO_ROOT)})", flush=True)
+    log_start = log_path.stat().st_size if log_path.exists() else 0  # the log file is appended to
+    with EmbeddedTritonServer(config, log_path=log_path):
+        with open(log_path, "rb") as log_file:
+            log_file.seek(log_start)
+            if any(is_cuda_notice(line) for line in log_file.read().decode(errors="replace").splitlines()):
+                print(f"demo: {cpu_only_explanation(log_path.relative_to(REPO_ROOT))}", flush=True)
+        print(f"\ndemo: tritonserver ready (HTTP {config.http_url}, gRPC {config.grpc_url}); "
+              f"model weights: {weights}")
+        before = {m: model_counters(config.metrics_url, m) for m in (PREPROCESS_MODEL, ONNX_MODEL)}
+        for protocol, url in (("http", config.http_url), ("grpc", config.grpc_url)):
+            print(f"\n=== {len(photos)} photos -> ensemble '{ENSEMBLE_MODEL}' over {protocol.upper()} "
+                  f"({args.concurrency} in flight) ===")
+            for path, result in classify_files(photos, url, protocol, 5, args.concurrency):
+                if isinstance(result, Exception):
+                    failures += 1
+                    print(f"{path.name}: ERROR {result}")
+                else:
+                    print(format_predictions(path.name, result, "[random weights]" if random_weights else ""))
+        print("\n=== dynamic batching (metrics endpoint, this demo's requests) ===")
+        for model in (PREPROCESS_MODEL, ONNX_MODEL):
+            after = model_counters(config.metrics_url, model)
+            delta = {k: after.get(k, 0.0) - before[model].get(k, 0.0)
+                     for k in ("nv_inference_count", "nv_inference_exec_count")}
+            print(f"{model:<15} inferences {delta['nv_inference_count']:.0f}, "
+                  f"executions {delta['nv_inference_exec_count']:.0f}, "
+                  f"average batch {average_batch_size(delta):.2f}")
+        print("\ndemo: stopping the server")
+    if random_weights:
+        print("\ndemo: NOTE the weights are a seeded RANDOM init, so the labels above are meaningless; "
+              "see README 'Weights'.")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

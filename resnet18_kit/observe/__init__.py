@@ -1,0 +1,1 @@
+"""What a running Triton server and this machine say: metrics, statistics, model configs, /proc."""

@@ -1,0 +1,270 @@
+"""python -m resnet18_kit.reliability.soak: a bounded soak run on loopback. Starts the embedded tritonserver, measures the
+`resnet18` ensemble's capacity (closed loop, 32 requests in flight, gRPC, the sample photos), then sends
+requests at `--load` (default 0.8) of that capacity as a Poisson process for `--minutes` (default 10)
+and checks every answer against the reference. Resident memory of tritonserver and of each Python-backend
+stub is sampled every 5 s.
+
+Reports requests sent / answered / failed / lost (lost = no outcome within 60 s), latency percentiles
+per minute, and memory at start, end and peak per process; passes (exit 0) when no request failed and
+the total resident memory grew less than `--memory-bound-mib` from start to end. Not part of the
+tests: it takes minutes. Figures in docs/reliability.md.
+
+Progress: a bar over the seconds of the capacity measurement, then over the seconds of the soak, on
+stderr (drawn on a terminal only), and a log line per minute with that minute's answers, failures,
+latency and resident memory. The report, the per-minute table and PASS/FAIL go to stdout.
+
+    .venv/bin/python -m resnet18_kit.reliability.soak                      # 10 minutes at 80 %
+    .venv/bin/python -m resnet18_kit.reliability.soak --minutes 1 --load 0.5
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from resnet18_kit.reliability import (ANSWERED, ERROR, HANG_BOUND_S, LOST, MiB, RESULTS_DIR, Outcome, _infer_input,
+                               _judge, classify_error, cpu_steal_ticks, ensemble_load, percentile,
+                               reference_answers, summarize)
+from resnet18_kit.progress import Progress, add_logging_arguments, setup_logging
+from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+
+log = logging.getLogger("resnet18_kit.reliability.soak")
+
+
+async def closed_loop(url: str, load, concurrency: int, duration_s: float) -> float:
+    """Answers per second with `concurrency` requests always in flight for `duration_s` seconds."""
+    client = grpcaio.InferenceServerClient(url)
+    answered, stop_at = 0, time.monotonic() + duration_s
+    output = [grpcaio.InferRequestedOutput(load.output_name)]
+
+    async def worker(offset: int):
+        nonlocal answered
+        index = offset
+        while time.monotonic() < stop_at:
+            await client.infer(load.model, [_infer_input(grpcaio, load, index)], outputs=output)
+            answered += 1
+            index += concurrency
+
+    started = time.monotonic()
+    try:
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    finally:
+        await client.close()
+    return answered / (time.monotonic() - started)
+
+
+async def open_loop(url: str, load, rate_per_s: float, duration_s: float, max_in_flight: int,
+                    seed: int = 0, results: list[tuple[float, Outcome]] | None = None
+                    ) -> tuple[list[tuple[float, Outcome]], int]:
+    """Poisson arrivals at `rate_per_s` (requests/s) for `duration_s` (seconds), at most `max_in_flight`
+    requests outstanding; returns ((send time s, outcome) per request, times the in-flight bound delayed
+    a send). results: the list to append to as outcomes come in (another thread may read it meanwhile)."""
+    client = grpcaio.InferenceServerClient(url)
+    rng = random.Random(seed)
+    output = [grpcaio.InferRequestedOutput(load.output_name)]
+    results = [] if results is None else results
+    in_flight = asyncio.Semaphore(max_in_flight)
+    delayed = 0
+
+    async def one(index: int, sent_at: float):
+        try:
+            started = time.perf_counter()
+            try:
+                result = await asyncio.wait_for(
+                    client.infer(load.model, [_infer_input(grpcaio, load, index)], outputs=output,
+                                 request_id=str(index)), HANG_BOUND_S)
+                outcome = _judge(load, index, result, started)
+            except asyncio.TimeoutError:
+                outcome = Outcome(index, LOST, time.perf_counter() - started, message="no outcome (hung)")
+            except InferenceServerException as exc:
+                kind, status, message = classify_error(exc)
+                outcome = Outcome(index, kind, time.perf_counter() - started, status, message)
+            except Exception as exc:
+                outcome = Outcome(index, ERROR, time.perf_counter() - started, None, f"{type(exc).__name__}: {exc}")
+            results.append((sent_at, outcome))
+        finally:
+            in_flight.release()
+
+    tasks, origin, index = [], time.monotonic(), 0
+    next_at = origin
+    try:
+        while True:
+            next_at += rng.expovariate(rate_per_s)
+            if next_at - origin >= duration_s:
+                break
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            if in_flight.locked():
+                delayed += 1
+            await in_flight.acquire()
+            tasks.append(asyncio.ensure_future(one(index, time.monotonic() - origin)))
+            index += 1
+        await asyncio.gather(*tasks)
+    finally:
+        await client.close()
+    return results, delayed
+
+
+class MemoryLog:
+    """Resident memory (bytes) per process of the server every `interval_s` seconds, on a thread;
+    samples: [(seconds since start, {process: bytes})]."""
+
+    def __init__(self, server: EmbeddedTritonServer, interval_s: float = 5.0):
+        self.server, self.interval_s = server, interval_s
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._origin = time.monotonic()
+
+    def _run(self):
+        while True:
+            self.samples.append((round(time.monotonic() - self._origin, 1), self.server.resident_memory_bytes()))
+            if self._stop.wait(self.interval_s):
+                self.samples.append((round(time.monotonic() - self._origin, 1), self.server.resident_memory_bytes()))
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def total_mib(self) -> tuple[float, float] | None:
+        """(first, latest) total resident memory of the server's processes, MiB; None before a sample."""
+        samples = list(self.samples)
+        if not samples:
+            return None
+        return sum(samples[0][1].values()) / MiB, sum(samples[-1][1].values()) / MiB
+
+    def report(self) -> dict:
+        """Per process and "total": start_mib, end_mib, peak_mib, growth_mib (MiB)."""
+        names = sorted({name for _, sample in self.samples for name in sample})
+        per_process = {}
+        for name in names + ["total"]:
+            values = [sum(s.values()) if name == "total" else s.get(name, 0) for _, s in self.samples]
+            per_process[name] = {"start_mib": round(values[0] / MiB, 1), "end_mib": round(values[-1] / MiB, 1),
+                                 "peak_mib": round(max(values) / MiB, 1),
+                                 "growth_mib": round((values[-1] - values[0]) / MiB, 1)}
+        return per_process
+
+
+def per_minute(results: list[tuple[float, Outcome]]) -> list[dict]:
+    """One row per minute of send time: minute (1-based), sent, answered, failed, p50_ms, p99_ms
+    (latency of the answered requests, milliseconds)."""
+    rows = []
+    minutes = int(max((t for t, _ in results), default=0) // 60) + 1
+    for minute in range(minutes):
+        chunk = [o for t, o in results if minute * 60 <= t < (minute + 1) * 60]
+        latencies = sorted(o.latency_s * 1000 for o in chunk if o.kind == ANSWERED)
+        rows.append({"minute": minute + 1, "sent": len(chunk), "answered": sum(o.kind == ANSWERED for o in chunk),
+                     "failed": sum(o.kind != ANSWERED for o in chunk),
+                     "p50_ms": round(percentile(latencies, 50), 1), "p99_ms": round(percentile(latencies, 99), 1)})
+    return rows
+
+
+class MinuteLog:
+    """Logs each finished minute of the soak (answers so far of the requests sent in it, latency, total
+    resident memory) once, as the ticker passes the minute; `finish` logs the minutes not yet logged."""
+
+    def __init__(self, results: list[tuple[float, Outcome]], memory: MemoryLog, progress: Progress):
+        self.results, self.memory, self.progress = results, memory, progress
+        self.logged = 0  # minutes logged
+
+    def __call__(self, elapsed_s: float) -> None:
+        while self.logged < int(elapsed_s // 60):
+            self._log(self.logged + 1)
+
+    def finish(self) -> None:
+        """Log the minutes not logged yet (the last one, once every answer is in)."""
+        for minute in range(self.logged + 1, len(per_minute(self.results)) + 1):
+            self._log(minute)
+
+    def _log(self, minute: int) -> None:
+        self.logged = minute
+        rows = per_minute(list(self.results))
+        if minute > len(rows):
+            return
+        row, memory = rows[minute - 1], self.memory.total_mib()
+        note = (f"minute {minute}: {row['answered']} answered, {row['failed']} failed, p50 {row['p50_ms']} ms, "
+                f"p99 {row['p99_ms']} ms" + (f", memory {memory[1]:.0f} MiB ({memory[1] - memory[0]:+.0f})"
+                                             if memory else ""))
+        self.progress.set_postfix(note)
+        log.log(logging.WARNING if row["failed"] else logging.INFO, "%s; %s", note, self.progress.status())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak (module doc); exit status 0 when it passes, 1 when it fails."""
+    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.reliability.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0, help="length of the soak, minutes (default 10)")
+    parser.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity (default 0.8)")
+    parser.add_argument("--capacity-s", type=float, default=30.0,
+                        help="seconds of the capacity measurement (default 30)")
+    parser.add_argument("--max-in-flight", type=int, default=256,
+                        help="most requests outstanding at once; a send waits beyond it (default 256)")
+    parser.add_argument("--memory-bound-mib", type=float, default=64.0,
+                        help="allowed growth of the total resident memory from start to end (default 64 MiB)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
+                        help=f"folder for soak-<time>/ (soak.json, tritonserver.log; default {RESULTS_DIR})")
+    add_logging_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging("resnet18_kit.reliability.soak", args.log_level)
+    out_dir = args.out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = config_on_free_ports()
+    log.info("starting tritonserver (log: %s)", out_dir / "tritonserver.log")
+    with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver.log") as server:
+        load = reference_answers(config, ensemble_load())
+        log.info("measuring capacity (%.0f s, 32 in flight, gRPC, ensemble)", args.capacity_s)
+        with Progress(args.capacity_s, "s", "soak: capacity", log, log_updates=False) as progress, \
+                progress.ticking():
+            capacity = asyncio.run(closed_loop(config.grpc_url, load, 32, args.capacity_s))
+        rate = capacity * args.load
+        log.info("capacity %.1f req/s; sending %.1f req/s for %g min", capacity, rate, args.minutes)
+        steal_before = cpu_steal_ticks()
+        results: list[tuple[float, Outcome]] = []
+        with MemoryLog(server) as memory, \
+                Progress(args.minutes * 60, "s", f"soak: {rate:.1f} req/s", log, log_updates=False) as progress:
+            minutes = MinuteLog(results, memory, progress)
+            with progress.ticking(on_tick=minutes):
+                results, delayed = asyncio.run(open_loop(config.grpc_url, load, rate, args.minutes * 60,
+                                                         args.max_in_flight, results=results))
+            minutes.finish()
+        steal_after = cpu_steal_ticks()
+    outcomes = [o for _, o in results]
+    summary = summarize(outcomes, len(outcomes))
+    failed = len(outcomes) - summary[ANSWERED]
+    mem = memory.report()
+    record = {"capacity_per_s": round(capacity, 2), "load": args.load, "rate_per_s": round(rate, 2),
+              "minutes": args.minutes, "summary": summary, "failed": failed, "sends_delayed_by_bound": delayed,
+              "per_minute": per_minute(results), "memory": mem, "memory_samples": memory.samples,
+              "cpu_steal_share": round((steal_after[0] - steal_before[0]) / max(1, steal_after[1] - steal_before[1]), 3),
+              "failures": [o.__dict__ for o in outcomes if o.kind != ANSWERED][:50]}
+    (out_dir / "soak.json").write_text(json.dumps(record, indent=1, default=str))
+    print(f"\nsoak: {summary['sent']} sent, {summary[ANSWERED]} answered, {failed} failed, {summary[LOST]} lost; "
+          f"latency p50 {summary.get('answered_ms', {}).get('p50')} ms, p99 {summary.get('answered_ms', {}).get('p99')} ms; "
+          f"CPU steal {record['cpu_steal_share']:.1%}")
+    for row in record["per_minute"]:
+        print(f"  minute {row['minute']:>2}: sent {row['sent']:>5}, answered {row['answered']:>5}, failed "
+              f"{row['failed']}, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms")
+    print("resident memory (MiB): process: start -> end (peak)")
+    for name, figures in mem.items():
+        print(f"  {name:<28} {figures['start_mib']:>8} -> {figures['end_mib']:>8} ({figures['peak_mib']})")
+    ok = failed == 0 and mem["total"]["growth_mib"] < args.memory_bound_mib
+    print(f"soak: {'PASS' if ok else 'FAIL'} (zero failed requests; total memory growth "
+          f"{mem['total']['growth_mib']} MiB < {args.memory_bound_mib:g} MiB); record: {out_dir / 'soak.json'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

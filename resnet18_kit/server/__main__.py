@@ -1,0 +1,166 @@
+"""python -m resnet18_kit.server: serve the model repository with Triton 2.51 (the PyPI `tritonserver`, CPU).
+
+Runs the export first when model files are missing, starts tritonserver, waits until every model is
+ready, prints where it listens, then serves until Ctrl-C or SIGTERM. On either signal the server stops
+taking new requests, lets in-flight ones finish (up to --exit-timeout-s) and exits.
+
+A supervisor restarts tritonserver when it exits, when a Python-backend stub process dies (Triton 2.51
+does not restart it; the model would fail every request while still reporting READY) or when it stops
+answering; after --max-restarts restarts within 10 minutes it gives up and exits 1.
+
+tritonserver's log goes to --server-log (default results/serve-tritonserver.log, emptied at each start of
+`serve`) and is shown here as it grows, except its CUDA messages on a machine without a usable GPU: one
+line says they are expected (the models run on the CPU) and where the full log is.
+
+Security: the server listens on 127.0.0.1 unless --host says otherwise. Listening on any other address
+needs an admin key in the environment variable TRITON_ADMIN_KEY: model control, shared memory, trace
+and logging then need the header `admin-key: <key>` (gRPC metadata `triton-grpc-protocol-admin-key`);
+inference, health, metadata and statistics stay open. A key set on 127.0.0.1 restricts the same APIs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from resnet18_kit.contract import results_dir, MODEL_REPOSITORY, REPO_ROOT, missing_artifacts, outdated_reason
+from resnet18_kit.server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ServerConfig
+from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
+from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
+
+#: Where `serve` writes tritonserver's full log (every restart appends to it).
+DEFAULT_SERVER_LOG = results_dir() / "serve-tritonserver.log"
+#: What the supervisor appends to a start failure; the lines were shown as they came (LogFollower).
+LOG_TAIL_MARK = "; server log tail:"
+
+
+def ensure_exported() -> None:
+    """Run `python -m resnet18_kit.export` when any generated model file is missing or the exports predate an output
+    the served code needs (exits on export failure)."""
+    missing = missing_artifacts()
+    reason = f"{len(missing)} model files missing" if missing else outdated_reason()
+    if reason:
+        print(f"serve: {reason}, running the export first")
+        subprocess.run([sys.executable, "-m", "resnet18_kit.export"], check=True)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the server itself (addresses, ports, config, shutdown), shared with server.demo."""
+    defaults = ServerConfig()
+    parser.add_argument("--host", default=defaults.host,
+                        help="address to listen on (default 127.0.0.1: this machine only; any other "
+                             f"address needs the admin key in ${ADMIN_KEY_ENV})")
+    parser.add_argument("--http-port", type=int, default=defaults.http_port, help="HTTP port (default 8000)")
+    parser.add_argument("--grpc-port", type=int, default=defaults.grpc_port, help="gRPC port (default 8001)")
+    parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
+                        help="Prometheus metrics port (default 8002)")
+    parser.add_argument("--model-config-name", help="use <model>/configs/<NAME>.pbtxt where present")
+    parser.add_argument("--model-repository", default=str(MODEL_REPOSITORY),
+                        help="model repository folder (default model_repository/)")
+    parser.add_argument("--exit-timeout-s", type=int, default=defaults.exit_timeout_s,
+                        help="seconds in-flight requests get to finish on shutdown (default 30)")
+    parser.add_argument("--log-verbose", type=int, default=0,
+                        help="tritonserver's --log-verbose level (default 0; 1 and up: detail per request)")
+
+
+class InsecureBindError(ValueError):
+    """--host names a non-loopback address and no admin key is set: refused (exit status 2)."""
+
+
+def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerConfig:
+    """The ServerConfig for the parsed arguments; the admin key comes from $TRITON_ADMIN_KEY.
+
+    Warns on stderr when the server will be reachable from other machines; raises InsecureBindError
+    when it would be reachable without the restricted APIs being locked.
+    """
+    environ = os.environ if environ is None else environ
+    admin_key = environ.get(ADMIN_KEY_ENV) or None
+    config = ServerConfig(model_repository=args.model_repository, host=args.host,
+                          http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                          model_config_name=args.model_config_name, exit_timeout_s=args.exit_timeout_s,
+                          log_verbose=args.log_verbose, admin_key=admin_key)
+    if not config.loopback_only:
+        if admin_key is None:
+            raise InsecureBindError(
+                f"serve: refusing to listen on {args.host} without an admin key: anyone on the network could "
+                f"load and unload models and register shared memory. Set {ADMIN_KEY_ENV} (e.g. "
+                f"`export {ADMIN_KEY_ENV}=$(openssl rand -hex 16)`) and run again.")
+        print(f"serve: WARNING: listening on {args.host}: the server is reachable from other machines; "
+              f"{', '.join(RESTRICTED_APIS)} need the header '{ADMIN_HEADER}' (key from ${ADMIN_KEY_ENV}). "
+              f"Inference is open and unencrypted: put a TLS proxy in front.", file=sys.stderr)
+    elif admin_key:
+        print(f"serve: {', '.join(RESTRICTED_APIS)} need the header '{ADMIN_HEADER}' "
+              f"(key from ${ADMIN_KEY_ENV})", file=sys.stderr)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until Ctrl-C or SIGTERM (module doc); exit status 0 on a clean stop, 1 when the server could
+    not be kept running, 2 for a refused --host."""
+    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_arguments(parser)
+    parser.add_argument("--max-restarts", type=int, default=SupervisorPolicy.max_restarts,
+                        help="restarts allowed within 10 minutes before giving up (default 5; 0: never "
+                             "restart, exit 1 on the first fault)")
+    parser.add_argument("--server-log", type=Path, default=DEFAULT_SERVER_LOG,
+                        help="tritonserver's full log, emptied at start (default results/serve-tritonserver.log)")
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except InsecureBindError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    ensure_exported()
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if not stop.is_set():
+            print(f"serve: {signal.Signals(signum).name}: stopping; accepted requests finish first "
+                  f"(up to {config.exit_timeout_s} s)", flush=True)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    announced = threading.Event()
+
+    def on_event(event: SupervisorEvent) -> None:
+        detail = event.detail.split(LOG_TAIL_MARK)[0]  # those lines were shown as they came
+        print(f"serve: {event.kind}: {detail}", file=sys.stderr, flush=True)
+        if event.kind == "ready" and not announced.is_set():
+            announced.set()
+            print(f"\nserve: ready\n"
+                  f"  HTTP    http://{config.http_url}   (KServe v2: /v2/health/ready, /v2/models/resnet18/infer)\n"
+                  f"  gRPC    {config.grpc_url}\n"
+                  f"  metrics {config.metrics_url}\n"
+                  f"  try:    .venv/bin/python -m resnet18_kit.client.classify --url {config.http_url} <images>\n"
+                  f"serve: Ctrl-C or SIGTERM to stop", flush=True)
+
+    server_log = args.server_log.resolve()
+    server_log.parent.mkdir(parents=True, exist_ok=True)
+    server_log.write_bytes(b"")
+    print(f"serve: tritonserver log: {_shown(server_log)}", file=sys.stderr, flush=True)
+    supervisor = Supervisor(config, SupervisorPolicy(max_restarts=args.max_restarts), log_path=server_log,
+                            on_event=on_event)
+    with LogFollower(server_log, lambda line: print(line, file=sys.stderr, flush=True),
+                     CudaNoticeFilter(_shown(server_log), prefix="serve: ")):
+        status = supervisor.run(stop)
+    print(f"serve: exiting with status {status}", flush=True)
+    return status
+
+
+def _shown(path: Path) -> Path:
+    """`path` relative to the working directory when it lies under it, else as it is."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

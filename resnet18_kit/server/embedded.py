@@ -1,0 +1,366 @@
+"""Start, wait for and stop the `tritonserver` binary that ships in the nvidia-pytriton wheel.
+
+The one place that knows how that server is put together (the same steps PyTriton takes):
+  * a backend directory of our own holding the Python backend (`libtriton_python.so`) and the stub
+    built for this interpreter's Python version (`triton_python_backend_stub`);
+  * LD_LIBRARY_PATH with the wheel's bundled libraries (the stub needs its libcudart even on a CPU);
+  * the venv's bin/ first on PATH, so each stub's embedded interpreter imports the venv's packages.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from resnet18_kit.contract import MODEL_REPOSITORY
+from resnet18_kit.server.server_log import cpu_only_explanation, is_cuda_notice
+
+MiB = 1 << 20
+
+#: APIs that change the server or read its memory: model control (load/unload, repository index),
+#: shared-memory registration, trace and log settings. With an admin key they need the key's header;
+#: inference, health, metadata, model config and statistics stay open (the same set as deploy/).
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+#: HTTP header that carries the admin key. Over gRPC Triton expects the metadata key
+#: "triton-grpc-protocol-<header>" (grpcclient: headers={ADMIN_GRPC_HEADER: key}).
+ADMIN_HEADER = "admin-key"
+ADMIN_GRPC_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
+#: Environment variable the `serve` command reads the admin key from (never a flag or a file).
+ADMIN_KEY_ENV = "TRITON_ADMIN_KEY"
+#: Executable name of the Python backend's per-instance stub process.
+STUB_EXECUTABLE = "triton_python_backend_stub"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What a user sets when starting the server. Ports 0 are not allowed: pass real free ports."""
+
+    model_repository: Path = MODEL_REPOSITORY
+    #: More repositories served beside it (Triton merges them; model names must not clash).
+    extra_model_repositories: tuple[Path, ...] = ()
+    #: Address HTTP, gRPC and metrics listen on. 127.0.0.1 keeps the server private to this machine.
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    #: Load <model>/configs/<name>.pbtxt instead of config.pbtxt where it exists (e.g. "gpu").
+    model_config_name: str | None = None
+    #: On SIGTERM the server stops taking requests and waits this long for in-flight ones to finish.
+    exit_timeout_s: int = 30
+    #: Initial shared-memory region of each Python-backend stub: one batch of 16 FP32 images
+    #: (16 x 3 x 224 x 224 x 4 B = 9.6 MB) plus its logits fits without growing the region.
+    python_shm_default_bytes: int = 16 * MiB
+    python_shm_growth_bytes: int = 16 * MiB
+    log_verbose: int = 0
+    #: When set, RESTRICTED_APIS need the header `admin-key: <admin_key>` (HTTP 403 without it, gRPC
+    #: UNAVAILABLE). Kept out of repr() so the key does not end up in logs.
+    admin_key: str | None = field(default=None, repr=False)
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def loopback_only(self) -> bool:
+        """True when the server listens on this machine's loopback interface only."""
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
+    @property
+    def http_url(self) -> str:
+        """host:port for HTTP clients (a wildcard listen address becomes loopback)."""
+        return f"{_client_host(self.host)}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port for gRPC clients."""
+        return f"{_client_host(self.host)}:{self.grpc_port}"
+
+    def url(self, protocol: str) -> str:
+        """host:port for clients of `protocol` ("http" or "grpc"); ValueError for another."""
+        if protocol not in ("http", "grpc"):
+            raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
+        return self.http_url if protocol == "http" else self.grpc_url
+
+    @property
+    def metrics_url(self) -> str:
+        """The Prometheus metrics endpoint (http://host:port/metrics)."""
+        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+
+
+def _pytriton_dir() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed in this interpreter; run `make setup`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def tritonserver_binary() -> Path:
+    """The `tritonserver` executable inside the installed nvidia-pytriton wheel."""
+    return _pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
+
+
+def library_path() -> str:
+    """LD_LIBRARY_PATH for tritonserver, its stubs and perf_analyzer: the wheels' bundled libraries."""
+    site_packages = _pytriton_dir().parent
+    dirs = [site_packages / "nvidia_pytriton.libs", site_packages / "nvidia" / "cuda_runtime" / "lib"]
+    existing = os.environ.get("LD_LIBRARY_PATH")
+    return os.pathsep.join([str(d) for d in dirs if d.is_dir()] + ([existing] if existing else []))
+
+
+def backend_directory() -> Path:
+    """Build (once) <venv>/triton-backends/python with the backend library and this Python's stub."""
+    source = _pytriton_dir() / "tritonserver"
+    target = Path(sys.prefix) / "triton-backends"
+    python_dir = target / "python"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = source / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeError(f"nvidia-pytriton ships no Python-backend stub for Python {version}")
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for item in (source / "backends" / "python").iterdir():
+        link = python_dir / item.name
+        if item.is_file() and not link.exists():
+            link.symlink_to(item)
+    if not (python_dir / stub.name).exists():
+        shutil.copy2(stub, python_dir / stub.name)
+    return target
+
+
+def server_environment() -> dict[str, str]:
+    """This process's environment with LD_LIBRARY_PATH and PATH set for tritonserver and its stubs."""
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = library_path()
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def server_command(config: ServerConfig) -> list[str]:
+    """The tritonserver command line for `config` (no shell quoting needed: a list of arguments)."""
+    cmd = [
+        str(tritonserver_binary()),
+        *(f"--model-repository={repository}"
+          for repository in (config.model_repository, *config.extra_model_repositories)),
+        f"--backend-directory={backend_directory()}",
+        f"--http-address={config.host}", f"--http-port={config.http_port}",
+        f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}",
+        f"--metrics-address={config.host}", f"--metrics-port={config.metrics_port}",
+        "--allow-gpu-metrics=false",
+        f"--exit-timeout-secs={config.exit_timeout_s}",
+        # Triton's rate limiter: instances that declare rate_limiter resources (the CPU network configs'
+        # "cores") run only while those resources are free; instances that declare none are not limited.
+        "--rate-limit=execution_count",
+        f"--backend-config=python,shm-default-byte-size={config.python_shm_default_bytes}",
+        f"--backend-config=python,shm-growth-byte-size={config.python_shm_growth_bytes}",
+        f"--log-verbose={config.log_verbose}",
+    ]
+    if config.model_config_name:
+        cmd.append(f"--model-config-name={config.model_config_name}")
+    if config.admin_key:
+        # Triton takes the key only on its command line, so local users can read it in `ps`; the
+        # restriction is against callers from the network, not other accounts on this machine.
+        restriction = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={config.admin_key}"
+        cmd += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
+    return cmd + list(config.extra_args)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now (held open together while chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def config_on_free_ports(**options) -> ServerConfig:
+    """A ServerConfig with HTTP, gRPC and metrics on free ports (tests, benchmarks); other fields as given."""
+    http_port, grpc_port, metrics_port = free_ports(3)
+    return ServerConfig(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, **options)
+
+
+class ServerStartError(RuntimeError):
+    """tritonserver exited or did not become ready in time; the message carries its log tail."""
+
+
+class EmbeddedTritonServer:
+    """A tritonserver child process. Use as a context manager, or call start() and stop().
+
+    log_path: where the server's stdout and stderr go; None = this process's stdout/stderr.
+    die_with_parent: the server gets SIGTERM when the thread that started it dies, even by SIGKILL
+        (Linux PR_SET_PDEATHSIG, through util-linux's `setpriv`), so a killed `serve` leaves no orphan
+        server holding the ports. Off by default: the server must then be started from a thread that
+        outlives it.
+    """
+
+    def __init__(self, config: ServerConfig = ServerConfig(), log_path: Path | None = None,
+                 die_with_parent: bool = False):
+        self.config = config
+        self.log_path = log_path
+        self.die_with_parent = die_with_parent
+        self.process: subprocess.Popen | None = None
+        self.started_at: float | None = None
+
+    def start(self, ready_timeout_s: float = 300.0) -> float:
+        """Start the server and block until /v2/health/ready; return seconds from start to ready.
+
+        Raises ServerStartError when the process exits first or the timeout passes.
+        """
+        output = open(self.log_path, "ab") if self.log_path else None
+        self.started_at = time.monotonic()
+        command = server_command(self.config)
+        if self.die_with_parent and shutil.which("setpriv"):
+            command = ["setpriv", "--pdeathsig", "TERM", "--", *command]  # kept across its exec
+        self.process = subprocess.Popen(
+            command, env=server_environment(), stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            start_new_session=True)  # Ctrl-C reaches us, not the server; we stop it gracefully
+        if output:
+            output.close()
+        try:
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return time.monotonic() - self.started_at
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll /v2/health/ready every 0.25 s up to `timeout_s` seconds; ServerStartError otherwise."""
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(self.config.http_url, connection_timeout=2.0)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise ServerStartError(
+                        f"tritonserver exited with status {self.process.returncode} before ready"
+                        f"{self._log_tail()}")
+                try:
+                    if client.is_server_ready():
+                        return
+                except Exception:  # not listening yet
+                    pass
+                time.sleep(0.25)
+        finally:
+            client.close()
+        raise ServerStartError(f"tritonserver not ready after {timeout_s:.0f} s{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines of the server log for an error message; CUDA notices of a machine
+        without a usable GPU (server.server_log) left out and explained in one line instead."""
+        if not self.log_path or not Path(self.log_path).exists():
+            return ""
+        text = Path(self.log_path).read_text(errors="replace").splitlines()
+        kept = [line for line in text if not is_cuda_notice(line)]
+        tail = kept[-lines:]
+        if len(kept) < len(text):  # some CUDA notices were left out
+            tail.insert(0, f"({cpu_only_explanation(self.log_path)})")
+        return "; server log tail:\n" + "\n".join(tail)
+
+    @property
+    def running(self) -> bool:
+        """True while the tritonserver process is alive."""
+        return self.process is not None and self.process.poll() is None
+
+    def stub_processes(self) -> dict[str, int]:
+        """The Python backend's stub processes of this server: {instance name: pid}, e.g.
+        {"resnet18_onnx_0_0": 4242}. One per model instance; Triton 2.51 does not restart a stub that
+        died (its model stays READY and every request fails), so the supervisor watches these."""
+        if not self.running:
+            return {}
+        stubs = {}
+        for pid, argv in _children(self.process.pid):
+            # argv: stub, model.py, shm region, shm sizes (2), parent pid, backend dir, ipc size,
+            # instance name, runtime ("DEFAULT")
+            if argv and Path(argv[0]).name == STUB_EXECUTABLE and len(argv) >= 3:
+                stubs[argv[-2]] = pid
+        return stubs
+
+    def resident_memory_bytes(self) -> dict[str, int]:
+        """Resident memory (RSS) of tritonserver and of each stub: {"tritonserver": bytes,
+        "<instance name>": bytes, ...}; empty when the server is not running."""
+        if not self.running:
+            return {}
+        memory = {"tritonserver": _rss_bytes(self.process.pid)}
+        for name, pid in self.stub_processes().items():
+            memory[name] = _rss_bytes(pid)
+        return {name: rss for name, rss in memory.items() if rss is not None}
+
+    def stop(self, drain_s: float | None = None) -> int | None:
+        """SIGTERM, wait for in-flight requests, then SIGKILL the process group (stubs included).
+
+        drain_s: how long to wait after SIGTERM before SIGKILL; default exit_timeout_s + 10 s (the
+        server's own exit timeout plus a margin).
+        Returns the server's exit status (None if it was never started).
+        """
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(self.config.exit_timeout_s + 10 if drain_s is None else drain_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        try:  # stubs left behind by a killed server
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.process.returncode
+
+    def __enter__(self) -> "EmbeddedTritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _children(parent_pid: int) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of the live child processes of `parent_pid`, read from /proc (Linux)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it
+            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+            if int(ppid) != parent_pid or state == "Z":
+                continue
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, ValueError):  # exited while we looked
+            continue
+        children.append((int(entry.name), [a for a in argv if a]))
+    return children
+
+
+def _rss_bytes(pid: int) -> int | None:
+    """Resident set size of `pid` in bytes (VmRSS of /proc/<pid>/status), None if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

@@ -1,0 +1,199 @@
+"""Keep an embedded tritonserver serving without a human: restart it when it dies, when a Python-backend
+stub dies, or when it stops answering.
+
+What Triton 2.51 does on its own (measured here, docs/reliability.md "Faults"): when a model's stub
+process is killed, the model stays READY, `/v2/health/ready` stays 200, and every request to the model
+fails after about 1 s with HTTP 500 / gRPC INTERNAL "Stub process '<instance>' is not healthy.", for
+ever: the Python backend of this release does not restart the stub (server issue #8604). Reloading the
+model through the model-control API brings it back but leaves the dead instance unloadable, which then
+blocks shutdown until the exit timeout. So the supervisor restarts the whole server, which works with
+`--model-control-mode=none` and needs no model-control API open.
+
+Checks, every `poll_interval_s`:
+  * the tritonserver process exited;
+  * a stub process seen at start-up is gone (one per model instance: `EmbeddedTritonServer.stub_processes`);
+  * `/v2/health/live` has not answered for `unresponsive_after_s`.
+A restart stops the server (SIGTERM, `restart_drain_s` for the requests other models are serving, then
+SIGKILL) and starts it again on the same ports. More than `max_restarts` restarts within
+`restart_window_s` is a crash loop: the supervisor gives up and `run` returns 1.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerConfig, ServerStartError, process_alive
+from resnet18_kit.server.overload import QueueWatch
+
+
+@dataclass(frozen=True)
+class SupervisorPolicy:
+    """poll_interval_s: seconds between health checks; unresponsive_after_s: seconds without an answer
+    from /v2/health/live before a restart; restart_drain_s: seconds a restart waits after SIGTERM before
+    SIGKILL; max_restarts / restart_window_s: crash-loop bound (0 restarts = never restart);
+    ready_timeout_s: start-up budget of each start; queue_warnings: log an "overload" event when a
+    model's pending requests reach max_queue_size - max_batch_size (server.overload)."""
+
+    poll_interval_s: float = 0.5
+    unresponsive_after_s: float = 30.0
+    #: 2 s: requests other models are running finish (an execution takes under 1 s here); a server with a
+    #: dead stub never exits on its own (the dead instance does not unload), so every second here is downtime.
+    restart_drain_s: float = 2.0
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    ready_timeout_s: float = 300.0
+    queue_warnings: bool = True
+
+
+@dataclass
+class SupervisorEvent:
+    at_s: float    # seconds since the supervisor started (monotonic clock)
+    kind: str      # "ready", "fault", "restart", "gave-up", "overload", "stopped"
+    detail: str
+
+
+class Supervisor:
+    """Runs `EmbeddedTritonServer(config)` and restarts it per `policy`.
+
+    log_path: tritonserver's output (None: this process's stdout/stderr); on_event: called with each
+    SupervisorEvent (default: a line on stderr). Use `run(stop)` in the foreground, or `start()` /
+    `stop()` around a background thread (tests, benchmarks).
+    """
+
+    def __init__(self, config: ServerConfig, policy: SupervisorPolicy = SupervisorPolicy(),
+                 log_path: Path | None = None, on_event: Callable[[SupervisorEvent], None] | None = None):
+        self.config = config
+        self.policy = policy
+        self.log_path = log_path
+        self._on_event = on_event or (lambda e: print(f"supervisor: [{e.at_s:9.3f} s] {e.kind}: {e.detail}",
+                                                      file=sys.stderr, flush=True))
+        self.server: EmbeddedTritonServer | None = None
+        self.events: list[SupervisorEvent] = []
+        self.restarts = 0
+        self._restart_times: list[float] = []
+        self._stubs: dict[str, int] = {}
+        self._last_live = 0.0
+        self._origin = time.monotonic()
+        self._queues = QueueWatch.for_config(config) if policy.queue_warnings else None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.exit_status: int | None = None
+
+    # -- events ---------------------------------------------------------------------------------------
+
+    def _event(self, kind: str, detail: str) -> None:
+        event = SupervisorEvent(round(time.monotonic() - self._origin, 3), kind, detail)
+        self.events.append(event)
+        self._on_event(event)
+
+    # -- start, check, restart ------------------------------------------------------------------------
+
+    def start_server(self) -> float:
+        """Start tritonserver and wait until ready; return seconds to ready. Raises ServerStartError."""
+        # die_with_parent: if this process is killed outright, the server does not outlive it
+        self.server = EmbeddedTritonServer(self.config, log_path=self.log_path, die_with_parent=True)
+        seconds = self.server.start(self.policy.ready_timeout_s)
+        self._stubs = self.server.stub_processes()
+        self._last_live = time.monotonic()
+        self._event("ready", f"tritonserver pid {self.server.process.pid} ready in {seconds:.1f} s, "
+                             f"{len(self._stubs)} stub processes")
+        return seconds
+
+    def check(self) -> str | None:
+        """One round of health checks; returns why the server must restart, or None when healthy."""
+        server = self.server
+        if server.process.poll() is not None:
+            return f"tritonserver exited with status {server.process.returncode}"
+        for instance, pid in self._stubs.items():
+            if not process_alive(pid):
+                return f"Python-backend stub of instance '{instance}' (pid {pid}) died"
+        if self._is_live():
+            self._last_live = time.monotonic()
+        elif time.monotonic() - self._last_live > self.policy.unresponsive_after_s:
+            return f"/v2/health/live unanswered for {self.policy.unresponsive_after_s:.0f} s"
+        if self._queues is not None:
+            for warning in self._queues.warnings(self.config.metrics_url):
+                self._event("overload", warning)
+        return None
+
+    def _is_live(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://{self.config.http_url}/v2/health/live", timeout=2.0) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def restart(self, reason: str) -> bool:
+        """Stop the server and start it again; False when the crash-loop bound forbids it or the new
+        server does not become ready."""
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < self.policy.restart_window_s]
+        if len(self._restart_times) >= self.policy.max_restarts:
+            self._event("gave-up", f"{reason}; {len(self._restart_times)} restarts in the last "
+                                   f"{self.policy.restart_window_s:.0f} s already")
+            self.server.stop(drain_s=self.policy.restart_drain_s)
+            return False
+        self._restart_times.append(now)
+        self.restarts += 1
+        self._event("fault", reason)
+        status = self.server.stop(drain_s=self.policy.restart_drain_s)
+        self._event("restart", f"old server stopped (status {status}) in {time.monotonic() - now:.1f} s; "
+                               f"starting again (restart {self.restarts})")
+        try:
+            self.start_server()
+        except ServerStartError as exc:
+            self._event("gave-up", f"restart failed: {exc}")
+            return False
+        return True
+
+    # -- loops ------------------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> int:
+        """Start the server, supervise it until `stop` is set, then stop it gracefully (SIGTERM, up to
+        exit_timeout_s). Returns 0 on a clean stop, 1 when the server could not be kept running or did
+        not exit cleanly."""
+        try:
+            self.start_server()
+        except ServerStartError as exc:
+            self._event("gave-up", f"start failed: {exc}")
+            return 1
+        while not stop.wait(self.policy.poll_interval_s):
+            reason = self.check()
+            if reason is not None and not self.restart(reason):
+                return 1
+        status = self.server.stop()
+        self._event("stopped", f"tritonserver exited with status {status}")
+        return 0 if status == 0 else 1
+
+    def start(self, ready_timeout_s: float | None = None) -> None:
+        """Run the supervisor in a background thread; return once the first server is ready."""
+        self._thread = threading.Thread(target=self._run_in_thread, name="triton-supervisor", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + (ready_timeout_s or self.policy.ready_timeout_s)
+        while not any(e.kind == "ready" for e in self.events):
+            if self.exit_status is not None or time.monotonic() > deadline:
+                raise ServerStartError("supervised tritonserver did not become ready")
+            time.sleep(0.1)
+
+    def _run_in_thread(self) -> None:
+        self.exit_status = self.run(self._stop)
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """Stop the background supervisor and its server; returns run()'s status."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self.exit_status
+
+    def __enter__(self) -> "Supervisor":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
