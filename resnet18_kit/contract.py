@@ -56,6 +56,14 @@ def bench_summaries(results: Path | None = None):
             yield path, summary
 
 
+def shown(path: Path) -> Path:
+    """`path` as a command prints it: relative to the working directory when it lies under it, else as it is."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
+
+
 #: The Triton release of the embedded server (the `tritonserver` in nvidia-pytriton 0.7.0; NGC 24.10).
 TRITON_VERSION = "2.51.0"
 

@@ -13,8 +13,8 @@ import sys
 from resnet18_kit.client.classify import classify_files, format_predictions
 from resnet18_kit.observe.metrics import average_batch_size, model_counters
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.contract import results_dir, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, PROVENANCE_PATHS, REPO_ROOT
-from resnet18_kit.server.__main__ import InsecureBindError, add_server_arguments, config_from_args, ensure_exported
+from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, PROVENANCE_PATHS, results_dir, shown
+from resnet18_kit.server.__main__ import add_server_arguments, ensure_exported, parse_server_config
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.server_log import cpu_only_explanation, is_cuda_notice
 
@@ -25,12 +25,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(parser)
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except InsecureBindError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    args, config = parse_server_config(parser, argv)
     ensure_exported()
     provenance = json.loads(PROVENANCE_PATHS[0].read_text())
     weights = provenance["weights"]
@@ -45,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     log_path = results_dir() / "demo-tritonserver.log"
     log_path.parent.mkdir(exist_ok=True)
-    print(f"demo: starting tritonserver (log: {log_path.relative_to(REPO_ROOT)})", flush=True)
+    print(f"demo: starting tritonserver (log: {shown(log_path)})", flush=True)
     log_start = log_path.stat().st_size if log_path.exists() else 0  # the log file is appended to
     with EmbeddedTritonServer(config, log_path=log_path):
         with open(log_path, "rb") as log_file:
             log_file.seek(log_start)
             if any(is_cuda_notice(line) for line in log_file.read().decode(errors="replace").splitlines()):
-                print(f"demo: {cpu_only_explanation(log_path.relative_to(REPO_ROOT))}", flush=True)
+                print(f"demo: {cpu_only_explanation(shown(log_path))}", flush=True)
         print(f"\ndemo: tritonserver ready (HTTP {config.http_url}, gRPC {config.grpc_url}); "
               f"model weights: {weights}")
         before = {m: model_counters(config.metrics_url, m) for m in (PREPROCESS_MODEL, ONNX_MODEL)}

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set-up: a venv in .venv/ with every pinned dependency of requirements.txt, plus the Debian packages
+# Set-up: a venv in .venv/ with this package installed editable with all its extras (pyproject.toml), at the
+# versions pinned in constraints.txt, plus the Debian packages
 # the bundled binaries link against. Idempotent: a second run with nothing changed installs nothing.
 #
 # Debian packages (installed with apt-get when missing; the machine runs as root):
@@ -33,12 +34,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-want=$(sha256sum requirements.txt | cut -d' ' -f1)
+# The "test" extra pulls in every other one (client, serve, export, bench).
+want=$(cat constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing requirements.txt into $VENV (torch with its CUDA libraries is about 5 GB)"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements.txt
+  echo "setup: installing this package with its extras into $VENV, pinned by constraints.txt (torch with its CUDA libraries is about 5 GB)"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]" -c constraints.txt
   echo "$want" > "$STAMP"
 else
-  echo "setup: $VENV is up to date with requirements.txt"
+  echo "setup: $VENV is up to date with constraints.txt and pyproject.toml"
 fi
-scripts/setup_deploy_tools.sh  # deployment-check tools for tests/test_deploy.py (compose parsers; kubectl via requirements.txt)
+scripts/setup_deploy_tools.sh  # deployment-check tools for tests/test_deploy.py (compose parsers; kubectl via constraints.txt)

@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 
 from resnet18_kit.client.backoff import RetryPolicy
-from resnet18_kit.client.classifier import AsyncTritonClassifierClient, TritonClassifierClient
+from resnet18_kit.client.async_client import AsyncTritonClassifierClient
+from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.client.errors import DeadlineExceededError, QueueFullError
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT

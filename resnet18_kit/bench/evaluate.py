@@ -162,7 +162,7 @@ def run_embedded(variant: str, files: Sequence[Path], protocol: str, batch_size:
     config = config_on_free_ports(model_config_name=None if variant == DEFAULT_VARIANT else variant)
     print(f"evaluate: {variant}: starting tritonserver, {len(files)} images", file=sys.stderr)
     with EmbeddedTritonServer(config, log_path=log_dir / f"tritonserver-{variant}.log"):
-        url = config.http_url if protocol == "http" else config.grpc_url
+        url = config.url(protocol)
         return collect_logits(url, protocol, files, batch_size)
 
 

@@ -31,7 +31,7 @@ from resnet18_kit.observe.model_config import DEFAULT_VARIANT, served_config, va
 from resnet18_kit.bench.pipeline_inprocess import PipelineTwin, mean_of
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
 from resnet18_kit.client.classifier import TritonClassifierClient
-from resnet18_kit.contract import results_dir, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, REPO_ROOT
+from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, results_dir
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 #: The ensemble's steps, in order: where a request's time goes on the server.
@@ -114,7 +114,7 @@ def measure_pipeline_level(server: EmbeddedTritonServer, load: LoadSpec, level: 
     statistics_delta} for the ensemble and each of STEP_MODELS (queue_us, compute_infer_us ... per
     request; average_batch; inference_count), and "cpu_utilization" (server, 0..1, None if unsampled)."""
     config = server.config
-    url = config.grpc_url if protocol == "grpc" else config.http_url
+    url = config.url(protocol)
     models = (ENSEMBLE_MODEL, *STEP_MODELS)
     before = {model: model_statistics(config.http_url, model) for model in models}
     with CpuSampler(config.metrics_url) as cpu:

@@ -49,9 +49,8 @@ def throughput_vs_p99_figure(summary: dict, title: str | None = None) -> plt.Fig
     return fig
 
 
-def plot_throughput_vs_p99(summary: dict, path: Path) -> None:
-    """`throughput_vs_p99_figure` as a PNG at `path`."""
-    fig = throughput_vs_p99_figure(summary)
+def save_png(fig: plt.Figure, path: Path) -> None:
+    """Write `fig` as a PNG at `path` (120 dpi) and close it."""
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -106,13 +105,6 @@ def latency_breakdown_figure(summary: dict, target: float = BREAKDOWN_TARGET_LEV
     return fig
 
 
-def plot_latency_breakdown(summary: dict, path: Path, target: float = BREAKDOWN_TARGET_LEVEL) -> None:
-    """`latency_breakdown_figure` as a PNG at `path`."""
-    fig = latency_breakdown_figure(summary, target)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def batch_sizes_figure(summary: dict) -> plt.Figure:
     """One panel per config at its saturation level: executions per batch size formed (statistics
     extension, row["server"]["batch_executions"]). Every panel has the same bins, batch sizes 1..the
@@ -135,13 +127,6 @@ def batch_sizes_figure(summary: dict) -> plt.Figure:
                  fontsize=10)
     fig.tight_layout()
     return fig
-
-
-def plot_batch_sizes(summary: dict, path: Path) -> None:
-    """`batch_sizes_figure` as a PNG at `path`."""
-    fig = batch_sizes_figure(summary)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _ms(us: float) -> str:
@@ -242,9 +227,10 @@ def write_report(run_dir: Path) -> Path:
     if summary.get("configs"):
         plots = {"throughput_vs_p99": "throughput_vs_p99.png", "latency_breakdown": "latency_breakdown.png",
                  "batch_sizes": "batch_sizes.png"}
-        plot_throughput_vs_p99(summary, run_dir / plots["throughput_vs_p99"])
-        plot_latency_breakdown(summary, run_dir / plots["latency_breakdown"])
-        plot_batch_sizes(summary, run_dir / plots["batch_sizes"])
+        figures = {"throughput_vs_p99": throughput_vs_p99_figure, "latency_breakdown": latency_breakdown_figure,
+                   "batch_sizes": batch_sizes_figure}
+        for key, figure in figures.items():
+            save_png(figure(summary), run_dir / plots[key])
     if summary.get("pipeline"):
         plots.update(pipeline_report.write_plots(summary["pipeline"], run_dir))
     report = run_dir / "report.md"

@@ -12,12 +12,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from resnet18_kit.client.classifier import PROTOCOLS, TritonClassifierClient
-from resnet18_kit.contract import results_dir, ONNX_MODEL, REPO_ROOT
+from resnet18_kit.contract import ONNX_MODEL, results_dir
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.batch_size * 4000 / 1e3:.0f} kB out; {args.rounds} rounds x {args.repeats} calls per mode")
     with EmbeddedTritonServer(config, log_path=log):
         for protocol in PROTOCOLS:
-            url = config.http_url if protocol == "http" else config.grpc_url
+            url = config.url(protocol)
             samples = {False: ([], []), True: ([], [])}
             with TritonClassifierClient(url, protocol) as plain, \
                     TritonClassifierClient(url, protocol, shared_memory=True) as shared:

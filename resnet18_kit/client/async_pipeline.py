@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from resnet18_kit.client.backoff import RetryPolicy
-from resnet18_kit.client.classifier import DEFAULT_URLS, PROTOCOLS, AsyncTritonClassifierClient
+from resnet18_kit.client.async_client import AsyncTritonClassifierClient
+from resnet18_kit.contract import DEFAULT_URLS, PROTOCOLS
 from resnet18_kit.client.errors import InferenceError
 from resnet18_kit.observe.metrics import average_batch_size, model_counters
 from resnet18_kit.client.samples import sample_photos

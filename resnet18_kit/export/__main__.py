@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(record)
     write_warmup_image(contract.WARMUP_IMAGE_PATH)
     for path in contract.GENERATED:
-        print(f"export: wrote {path.relative_to(contract.REPO_ROOT)} ({path.stat().st_size:,} bytes)")
+        print(f"export: wrote {contract.shown(path)} ({path.stat().st_size:,} bytes)")
     if not source.meaningful:
         r18.warn_random_weights(args.seed, source.reason)
     return 0

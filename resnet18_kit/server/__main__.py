@@ -27,7 +27,7 @@ import sys
 import threading
 from pathlib import Path
 
-from resnet18_kit.contract import results_dir, MODEL_REPOSITORY, REPO_ROOT, missing_artifacts, outdated_reason
+from resnet18_kit.contract import MODEL_REPOSITORY, missing_artifacts, outdated_reason, results_dir, shown
 from resnet18_kit.server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ServerConfig
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
@@ -98,6 +98,16 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     return config
 
 
+def parse_server_config(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """(args, ServerConfig) from `argv`, for a parser given add_server_arguments. A refused --host
+    (InsecureBindError) is its one-line message on stderr and exit status 2 (SystemExit)."""
+    args = parser.parse_args(argv)
+    try:
+        return args, config_from_args(args)
+    except InsecureBindError as exc:
+        parser.exit(2, f"{exc}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Serve until Ctrl-C or SIGTERM (module doc); exit status 0 on a clean stop, 1 when the server could
     not be kept running, 2 for a refused --host."""
@@ -109,12 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                              "restart, exit 1 on the first fault)")
     parser.add_argument("--server-log", type=Path, default=DEFAULT_SERVER_LOG,
                         help="tritonserver's full log, emptied at start (default results/serve-tritonserver.log)")
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except InsecureBindError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    args, config = parse_server_config(parser, argv)
     ensure_exported()
 
     stop = threading.Event()
@@ -138,28 +143,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"  HTTP    http://{config.http_url}   (KServe v2: /v2/health/ready, /v2/models/resnet18/infer)\n"
                   f"  gRPC    {config.grpc_url}\n"
                   f"  metrics {config.metrics_url}\n"
-                  f"  try:    .venv/bin/python -m resnet18_kit.client.classify --url {config.http_url} <images>\n"
+                  f"  try:    resnet18-classify --url {config.http_url} <images>\n"
                   f"serve: Ctrl-C or SIGTERM to stop", flush=True)
 
     server_log = args.server_log.resolve()
     server_log.parent.mkdir(parents=True, exist_ok=True)
     server_log.write_bytes(b"")
-    print(f"serve: tritonserver log: {_shown(server_log)}", file=sys.stderr, flush=True)
+    print(f"serve: tritonserver log: {shown(server_log)}", file=sys.stderr, flush=True)
     supervisor = Supervisor(config, SupervisorPolicy(max_restarts=args.max_restarts), log_path=server_log,
                             on_event=on_event)
     with LogFollower(server_log, lambda line: print(line, file=sys.stderr, flush=True),
-                     CudaNoticeFilter(_shown(server_log), prefix="serve: ")):
+                     CudaNoticeFilter(shown(server_log), prefix="serve: ")):
         status = supervisor.run(stop)
     print(f"serve: exiting with status {status}", flush=True)
     return status
-
-
-def _shown(path: Path) -> Path:
-    """`path` relative to the working directory when it lies under it, else as it is."""
-    try:
-        return path.relative_to(Path.cwd())
-    except ValueError:
-        return path
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from resnet18_kit.contract import MODEL_REPOSITORY
+from resnet18_kit.contract import DEFAULT_HOST, DEFAULT_PORTS, MODEL_REPOSITORY, PROTOCOLS
+from resnet18_kit.observe.processes import child_processes, rss_bytes
 from resnet18_kit.server.server_log import cpu_only_explanation, is_cuda_notice
 
 MiB = 1 << 20
@@ -46,10 +47,10 @@ class ServerConfig:
     #: More repositories served beside it (Triton merges them; model names must not clash).
     extra_model_repositories: tuple[Path, ...] = ()
     #: Address HTTP, gRPC and metrics listen on. 127.0.0.1 keeps the server private to this machine.
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
+    host: str = DEFAULT_HOST
+    http_port: int = DEFAULT_PORTS["http"]
+    grpc_port: int = DEFAULT_PORTS["grpc"]
+    metrics_port: int = DEFAULT_PORTS["metrics"]
     #: Load <model>/configs/<name>.pbtxt instead of config.pbtxt where it exists (e.g. "gpu").
     model_config_name: str | None = None
     #: On SIGTERM the server stops taking requests and waits this long for in-flight ones to finish.
@@ -81,8 +82,8 @@ class ServerConfig:
 
     def url(self, protocol: str) -> str:
         """host:port for clients of `protocol` ("http" or "grpc"); ValueError for another."""
-        if protocol not in ("http", "grpc"):
-            raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
         return self.http_url if protocol == "http" else self.grpc_url
 
     @property
@@ -280,7 +281,7 @@ class EmbeddedTritonServer:
         if not self.running:
             return {}
         stubs = {}
-        for pid, argv in _children(self.process.pid):
+        for pid, argv in child_processes(self.process.pid):
             # argv: stub, model.py, shm region, shm sizes (2), parent pid, backend dir, ipc size,
             # instance name, runtime ("DEFAULT")
             if argv and Path(argv[0]).name == STUB_EXECUTABLE and len(argv) >= 3:
@@ -292,9 +293,9 @@ class EmbeddedTritonServer:
         "<instance name>": bytes, ...}; empty when the server is not running."""
         if not self.running:
             return {}
-        memory = {"tritonserver": _rss_bytes(self.process.pid)}
+        memory = {"tritonserver": rss_bytes(self.process.pid)}
         for name, pid in self.stub_processes().items():
-            memory[name] = _rss_bytes(pid)
+            memory[name] = rss_bytes(pid)
         return {name: rss for name, rss in memory.items() if rss is not None}
 
     def stop(self, drain_s: float | None = None) -> int | None:
@@ -325,42 +326,3 @@ class EmbeddedTritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _children(parent_pid: int) -> list[tuple[int, list[str]]]:
-    """(pid, argv) of the live child processes of `parent_pid`, read from /proc (Linux)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it
-            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-            if int(ppid) != parent_pid or state == "Z":
-                continue
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, ValueError):  # exited while we looked
-            continue
-        children.append((int(entry.name), [a for a in argv if a]))
-    return children
-
-
-def _rss_bytes(pid: int) -> int | None:
-    """Resident set size of `pid` in bytes (VmRSS of /proc/<pid>/status), None if it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def process_alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"

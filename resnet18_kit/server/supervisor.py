@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerConfig, ServerStartError, process_alive
+from resnet18_kit.observe.processes import process_alive
+from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerConfig, ServerStartError
 from resnet18_kit.server.overload import QueueWatch
 
 

@@ -1,0 +1,126 @@
+"""The package's own rules: its layers (import-linter contracts in pyproject.toml), module sizes, tests that
+import only public modules, extras pinned by constraints.txt, and console scripts that work from any folder."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from resnet18_kit.cli import COMMANDS, FOLDER_ENV
+from resnet18_kit.contract import MODEL_REPOSITORY_ENV, REPO_ROOT, RESULTS_ENV
+from resnet18_kit.server.embedded import free_ports
+
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+BIN = Path(sys.executable).parent
+#: No module (product, tools, tests, served model code) may grow past this many lines.
+MAX_MODULE_LINES = 400
+
+
+def python_files() -> list[Path]:
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    return [REPO_ROOT / name for name in tracked if (REPO_ROOT / name).is_file()]
+
+
+def test_the_layer_contracts_hold():
+    result = subprocess.run([str(BIN / "lint-imports"), "--no-cache"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=300)
+    contracts = [c["name"] for c in PYPROJECT["tool"]["importlinter"]["contracts"]]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert f"Contracts: {len(contracts)} kept, 0 broken." in result.stdout, result.stdout[-2000:]
+
+
+def test_a_broken_layer_is_reported(tmp_path):
+    """The checker really fails: a copy of the config with the layers upside down breaks."""
+    config = (REPO_ROOT / "pyproject.toml").read_text()
+    start = config.index("[tool.importlinter]")
+    upside_down = config[start:].replace('    "resnet18_kit.contract",\n]', ']').replace(
+        'layers = [\n', 'layers = [\n    "resnet18_kit.contract",\n', 1)
+    (tmp_path / "importlinter.toml").write_text(upside_down)
+    result = subprocess.run([str(BIN / "lint-imports"), "--no-cache", "--config", str(tmp_path / "importlinter.toml")],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "BROKEN" in result.stdout
+
+
+def test_no_module_is_over_the_size_limit():
+    sizes = {path.relative_to(REPO_ROOT): len(path.read_text().splitlines()) for path in python_files()}
+    assert len(sizes) > 50
+    over = {str(path): lines for path, lines in sizes.items() if lines > MAX_MODULE_LINES}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
+
+
+def test_tests_import_public_modules_only():
+    tests = {path.stem for path in (REPO_ROOT / "tests").glob("*.py")}
+    offenders = []
+    for path in (REPO_ROOT / "tests").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {name}" for name in names if name.split(".")[0] in tests]
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("resnet18_kit"):
+                offenders += [f"{path.name}: {node.module}.{alias.name}" for alias in node.names
+                              if alias.name.startswith("_")]
+    assert not offenders, offenders
+
+
+def requirement_name(requirement: str) -> str:
+    return re.split(r"[\[<>=~!; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_every_dependency_of_every_extra_is_pinned_in_constraints():
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (REPO_ROOT / "constraints.txt").read_text(), re.M))
+    pinned = {name.lower().replace("_", "-") for name in pins}
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert {"client", "serve", "export", "bench", "test"} <= set(extras)
+    own = PYPROJECT["project"]["name"]
+    unpinned = {f"{extra}: {req}" for extra, reqs in extras.items() for req in reqs
+                if requirement_name(req) != own and requirement_name(req) not in pinned}
+    assert not unpinned, f"add exact pins to constraints.txt for {sorted(unpinned)}"
+    client = {requirement_name(req) for req in extras["client"]}
+    assert not client & {"torch", "torchvision", "nvidia-pytriton", "onnxruntime", "openvino"}, client
+
+
+def test_every_console_script_is_a_command_with_a_main():
+    scripts = PYPROJECT["project"]["scripts"]
+    assert set(scripts) == set(COMMANDS)
+    for script, target in scripts.items():
+        assert target == f"resnet18_kit.cli:{script.removeprefix('resnet18-').replace('-', '_')}"
+        assert (BIN / script).is_file(), f"{script} is not installed in the venv: run `make setup`"
+    assert FOLDER_ENV == {"model_repository": MODEL_REPOSITORY_ENV, "results": RESULTS_ENV}
+
+
+def run_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / script), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_console_scripts_work_from_any_folder(tmp_path):
+    image = tmp_path / "photo.png"
+    image.write_bytes(b"not a png")
+    port = free_ports(1)[0]
+    result = run_script("resnet18-classify", "--url", f"127.0.0.1:{port}", str(image), cwd=tmp_path)
+    assert result.returncode == 2 and "cannot reach a Triton server" in result.stderr, result.stderr
+    plan = run_script("resnet18-plan", "--help", cwd=tmp_path)
+    assert plan.returncode == 0 and "worked-example" in plan.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model-repository", "/nonexistent/repository"], "--model-repository: not a folder: /nonexistent/repository"),
+])
+def test_a_bad_folder_option_is_one_line(tmp_path, args, message):
+    result = run_script("resnet18-export", *args, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip().endswith(message), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_results_option_moves_the_results_folder(tmp_path):
+    """--results sets where a command writes: the figures command reads the soak from <results>/reliability."""
+    results = tmp_path / "elsewhere"
+    result = run_script("resnet18-figures", "--results", str(results), "--only", "soak", "--out", str(tmp_path),
+                        cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert f"skipped: no {results / 'reliability'}" in result.stderr, result.stderr
