@@ -1,0 +1,307 @@
+"""docker-compose.yaml and what it builds and mounts, checked by real tools (no Docker engine runs here).
+
+* Rendered by two compose parsers, Debian's docker-compose 1.29.2 and Compose v2.40.3 (the Go
+  implementation behind `docker compose`); both validate the file against the Compose schema.
+* The Triton release is one setting (TRITON_RELEASE, or deploy/compose/triton-24.10.env for 2.51.0),
+  and the Dockerfile installs the pins for that release's Python.
+* The monitoring profile: Prometheus with deploy/prometheus/ (checked by promtool as mounted) and
+  Grafana with the dashboard and its provisioning.
+
+Cross-checks with Kubernetes and the release's flags: tests/test_deploy_release.py. The tools are
+installed by scripts/setup_deploy_tools.sh (run by `make setup`); a missing tool fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from resnet18_kit.contract import ALL_MODELS, MODEL_REPOSITORY, PREPROCESS_MODEL, REPO_ROOT, variant_names
+from resnet18_kit.observe.model_config import config_parameters, instance_count, variant_config
+
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yaml"
+DEPLOY = REPO_ROOT / "deploy"
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+IMAGE_REQUIREMENTS = DEPLOY / "docker" / "requirements-image.txt"
+RELEASE_24_10_ENV = DEPLOY / "compose" / "triton-24.10.env"
+#: The default NGC release (Triton 2.72.0) and the embedded server's (Triton 2.51.0), with the Python of each image.
+DEFAULT_RELEASE, PARITY_RELEASE = "26.08", "24.10"
+IMAGE_PYTHON = {DEFAULT_RELEASE: "3.12", PARITY_RELEASE: "3.10"}
+ADMIN_KEY = "test-admin-key"
+VENV_BIN = Path(sys.executable).parent
+SETUP_HINT = "run scripts/setup_deploy_tools.sh (part of `make setup`)"
+COMPOSE_PARSERS = {
+    "compose-1.29-debian": Path("/usr/bin/docker-compose"),
+    "compose-2.40": VENV_BIN / "docker-compose-v2",
+}
+PROMTOOL = Path("/usr/bin/promtool")
+PROFILES = ("perf", "monitoring")
+
+
+def tool(path: Path) -> str:
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        pytest.fail(f"{path} is missing: {SETUP_HINT}")
+    return str(path)
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO_ROOT)
+
+
+def compose_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "COMPOSE_", "GRAFANA_"))}
+    return {**env, **extra}
+
+
+def compose_config(parser: str, env_file: Path | None = None, profiles=PROFILES,
+                   **env: str) -> subprocess.CompletedProcess:
+    cmd = [tool(COMPOSE_PARSERS[parser]), "-f", str(COMPOSE_FILE), "--project-directory", str(REPO_ROOT)]
+    cmd += ["--env-file", str(env_file)] if env_file else []
+    for profile in profiles:
+        cmd += ["--profile", profile]
+    return run(cmd + ["config"], env=compose_env(**env))
+
+
+def rendered_compose(parser: str, env_file: Path | None = None, **env: str) -> dict:
+    """The whole rendered file (services, volumes) with every profile's services."""
+    result = compose_config(parser, env_file, TRITON_ADMIN_KEY=ADMIN_KEY, **env)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def to_bytes(size: str | int) -> int:
+    """Compose byte values: 1gb, 512m, 1073741824 (units are powers of 1024)."""
+    match = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(size).lower())
+    assert match, size
+    return int(match.group(1)) * 1024 ** " kmg".index(match.group(2) or " ")
+
+
+def ports(service: dict) -> set[tuple[str, int, int]]:
+    """(host address, published, target), from either parser's rendering."""
+    out = set()
+    for port in service["ports"]:
+        if isinstance(port, str):  # 1.29: "127.0.0.1:8000:8000/tcp"
+            host, published, target = port.split("/")[0].rsplit(":", 2)
+            out.add((host, int(published), int(target)))
+        else:
+            out.add((port["host_ip"], int(port["published"]), int(port["target"])))
+    return out
+
+
+def volumes(service: dict) -> set[tuple[str, str, bool]]:
+    """(source, target, read-only), from either parser's rendering."""
+    out = set()
+    for volume in service["volumes"]:
+        if isinstance(volume, str):  # 1.29: "/abs/src:/target:ro"
+            source, target, mode = (volume.split(":") + ["rw"])[:3]
+            out.add((source, target, mode == "ro"))
+        else:
+            out.add((volume["source"], volume["target"], bool(volume.get("read_only"))))
+    return out
+
+
+def mounted_source(service: dict, target: str) -> Path:
+    """The repository path a service mounts at `target` (read-only, inside this repository)."""
+    (source,) = [Path(s) for s, t, read_only in volumes(service) if t == target and read_only]
+    assert source.is_relative_to(REPO_ROOT) and source.exists(), source
+    return source
+
+
+def flag_value(args: list[str], flag: str) -> list[str]:
+    return [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+
+
+@pytest.fixture(scope="module", params=sorted(COMPOSE_PARSERS))
+def compose_parser(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def compose(compose_parser) -> dict:
+    return rendered_compose(compose_parser)["services"]
+
+
+def test_compose_parsers_reject_an_invalid_file(compose_parser, tmp_path):
+    bad = tmp_path / "docker-compose.yaml"
+    bad.write_text("services:\n  a:\n    image: busybox\n    not_a_compose_key: 1\n")
+    result = run([tool(COMPOSE_PARSERS[compose_parser]), "-f", str(bad), "config"], env=compose_env())
+    assert result.returncode != 0 and "not_a_compose_key" in result.stdout + result.stderr
+
+
+def test_compose_services(compose):
+    assert set(compose) == {"check-artifacts", "triton", "perf", "prometheus", "grafana"}
+    triton, check, perf = compose["triton"], compose["check-artifacts"], compose["perf"]
+    assert Path(triton["build"]["context"]) == DOCKERFILE.parent
+    assert triton["depends_on"]["check-artifacts"]["condition"] == "service_completed_successfully"
+    assert perf["depends_on"]["triton"]["condition"] == "service_healthy"
+    assert perf["profiles"] == ["perf"]
+    assert ports(triton) == {("127.0.0.1", p, p) for p in (8000, 8001, 8002)}
+    repository = (str(MODEL_REPOSITORY), "/models", True)
+    assert repository in volumes(triton) and repository in volumes(check)
+    assert str(REPO_ROOT / "results") in {source for source, _, _ in volumes(perf)}
+    devices = triton["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    health = triton["healthcheck"]
+    assert health["test"][0] == "CMD" and "http://localhost:8000/v2/health/ready" in health["test"]
+    assert triton["command"][0] == "tritonserver"
+    assert flag_value(triton["command"], "--model-repository") == ["/models"]
+    assert flag_value(triton["command"], "--model-config-name") == ["gpu"]
+    for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+        (value,) = flag_value(triton["command"], flag)
+        apis, key = value.split(":")
+        assert {"model-repository", "shared-memory"} <= set(apis.split(",")) and key == f"admin-key={ADMIN_KEY}"
+
+
+def test_compose_requires_the_admin_key(compose_parser):
+    result = compose_config(compose_parser)
+    assert result.returncode != 0
+    assert "TRITON_ADMIN_KEY" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", sorted({v for m in ALL_MODELS for v in variant_names(m)} - {"default"}))
+def test_compose_config_variant_and_address_from_the_environment(compose_parser, name):
+    services = rendered_compose(compose_parser, TRITON_MODEL_CONFIG_NAME=name,
+                                TRITON_PUBLISH_ADDRESS="0.0.0.0")["services"]
+    assert flag_value(services["triton"]["command"], "--model-config-name") == [name]
+    for service in ("triton", "prometheus", "grafana"):
+        assert {host for host, _, _ in ports(services[service])} == {"0.0.0.0"}, service
+
+
+def release_images(services: dict) -> dict[str, str]:
+    """Every image reference that follows the Triton release, by where it is."""
+    triton = services["triton"]
+    return {"check-artifacts": services["check-artifacts"]["image"], "perf": services["perf"]["image"],
+            "triton": triton["image"], "build arg": str(triton["build"]["args"]["TRITON_RELEASE"])}
+
+
+@pytest.mark.parametrize("release", [DEFAULT_RELEASE, PARITY_RELEASE, "25.12"])
+def test_the_triton_release_is_one_setting(compose_parser, release):
+    if release == DEFAULT_RELEASE:
+        services = rendered_compose(compose_parser)["services"]  # nothing set: the default
+    elif release == PARITY_RELEASE:
+        services = rendered_compose(compose_parser, env_file=RELEASE_24_10_ENV)["services"]
+    else:
+        services = rendered_compose(compose_parser, TRITON_RELEASE=release)["services"]
+    assert release_images(services) == {
+        "check-artifacts": f"nvcr.io/nvidia/tritonserver:{release}-py3",
+        "perf": f"nvcr.io/nvidia/tritonserver:{release}-py3-sdk",
+        "triton": f"triton-resnet18:{release}",
+        "build arg": release,
+    }
+    limit_args = [a for a in services["triton"]["command"] if a.startswith(("--http-max-input-size", "--log-info"))]
+    # 2.51 has no --http-max-input-size: its env file swaps the argument for one 2.51 has.
+    assert limit_args == (["--log-info=true"] if release == PARITY_RELEASE else ["--http-max-input-size=20065536"])
+
+
+def test_dockerfile_builds_on_the_release_with_pins_for_its_python():
+    text = DOCKERFILE.read_text()
+    (default,) = re.findall(r"^ARG TRITON_RELEASE=(\S+)$", text, re.M)
+    assert default == DEFAULT_RELEASE
+    assert re.findall(r"^FROM (\S+)", text, re.M) == ["nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3"]
+    assert re.search(r"^COPY requirements-image\.txt ", text, re.M) and re.search(r"^USER triton-server$", text, re.M)
+    lines = [line.split("#")[0].strip() for line in IMAGE_REQUIREMENTS.read_text().splitlines()]
+    requirements = [Requirement(line) for line in lines if line]
+
+    def pins(python: str) -> dict[str, str]:
+        environment = {"python_version": python, "python_full_version": python + ".0"}
+        chosen = [r for r in requirements if r.marker is None or r.marker.evaluate(environment)]
+        assert len({r.name for r in chosen}) == len(chosen), f"Python {python}: a package pinned twice"
+        return {r.name: str(r.specifier).removeprefix("==") for r in chosen}
+
+    pins_file = next(p for p in (REPO_ROOT / "constraints.txt", REPO_ROOT / "requirements.txt") if p.is_file())
+    project = {k.lower(): v for k, v in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", pins_file.read_text(), re.M)}
+    newer, older = pins(IMAGE_PYTHON[DEFAULT_RELEASE]), pins(IMAGE_PYTHON[PARITY_RELEASE])
+    assert set(newer) == set(older) == {"numpy", "pillow", "onnxruntime", "openvino", "torch"}
+    # Python 3.12 (26.08): the project's own pins. Python 3.10 (24.10): the newest releases with cp310 wheels.
+    assert newer == {name: project[name] for name in newer}
+    assert older == {**newer, "pillow": "12.3.0", "onnxruntime": "1.23.2", "torch": "2.14.1"}
+
+
+def test_shm_covers_the_python_backend_stubs(compose):
+    """/dev/shm >= one region per Python-backend instance + a worst-case preprocess batch per instance."""
+    args = compose["triton"]["command"]
+    region = int(re.search(r"shm-default-byte-size=(\d+)", " ".join(args)).group(1))
+    needed = 0
+    for model in ALL_MODELS:
+        config = variant_config(model, "default")  # default configs: the most Python-backend models
+        if config.backend != "python":
+            continue
+        instances = instance_count(config) or 1
+        needed += instances * region
+        if model == PREPROCESS_MODEL:
+            max_image = int(config_parameters(config)["max_image_bytes"])
+            pixels = 3 * 224 * 224 * 4
+            needed += instances * config.max_batch_size * (max_image + pixels)
+    assert to_bytes(compose["triton"]["shm_size"]) >= needed
+
+
+# ---------------------------------------------------------------------------------------------------
+# The monitoring profile
+
+
+def test_monitoring_services_only_with_their_profile(compose, compose_parser):
+    for name in ("prometheus", "grafana"):
+        service = compose[name]
+        assert service["profiles"] == ["monitoring"], name
+        image, _, tag = service["image"].partition(":")
+        assert image in ("prom/prometheus", "grafana/grafana") and re.fullmatch(r"v?\d+\.\d+\.\d+", tag), service["image"]
+    assert ports(compose["prometheus"]) == {("127.0.0.1", 9090, 9090)}
+    assert ports(compose["grafana"]) == {("127.0.0.1", 3000, 3000)}
+    if compose_parser == "compose-2.40":  # 1.29's `config` lists every service whatever the profiles
+        result = compose_config(compose_parser, profiles=(), TRITON_ADMIN_KEY=ADMIN_KEY)
+        assert result.returncode == 0, result.stderr
+        assert set(yaml.safe_load(result.stdout)["services"]) == {"check-artifacts", "triton"}
+
+
+def test_prometheus_config_as_mounted_passes_promtool(compose, tmp_path):
+    """promtool checks prometheus.yml with its rule_files glob pointed where compose mounts the rules from."""
+    prometheus = compose["prometheus"]
+    config_arg = flag_value(prometheus["command"], "--config.file")[0]
+    config_file = mounted_source(prometheus, config_arg)
+    config = yaml.safe_load(config_file.read_text())
+    (rule_glob,) = config["rule_files"]
+    rules_dir = mounted_source(prometheus, str(Path(rule_glob).parent))
+    matched = sorted(rules_dir.glob(Path(rule_glob).name))
+    assert matched == [DEPLOY / "prometheus" / "rules" / "triton.rules.yml"], matched
+    config["rule_files"] = [str(rules_dir / Path(rule_glob).name)]
+    copy = tmp_path / "prometheus.yml"
+    copy.write_text(yaml.safe_dump(config))
+    result = run([tool(PROMTOOL), "check", "config", str(copy)])
+    assert result.returncode == 0 and "SUCCESS" in result.stdout + result.stderr, result.stdout + result.stderr
+    assert re.search(r"SUCCESS: \d+ rules found", result.stdout + result.stderr), result.stdout
+    # It scrapes the triton service's metrics port, as job "triton" (the job TritonServerDown watches).
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "triton"]
+    (target,) = [t for group in job["static_configs"] for t in group["targets"]]
+    host, port = target.split(":")
+    assert host == "triton" and (int(port), int(port)) in {(p, t) for _, p, t in ports(compose["triton"])}
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+
+
+def test_promtool_check_config_catches_a_bad_config(tmp_path):
+    bad = tmp_path / "prometheus.yml"
+    bad.write_text("global:\n  scrape_interval: often\n")
+    result = run([tool(PROMTOOL), "check", "config", str(bad)])
+    assert result.returncode != 0 and "often" in result.stdout + result.stderr
+
+
+def test_grafana_gets_the_dashboard_and_the_prometheus_data_source(compose):
+    grafana = compose["grafana"]
+    provisioning = mounted_source(grafana, "/etc/grafana/provisioning")
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["isDefault"]
+    assert source["url"] == "http://prometheus:9090"  # the compose service and its container port
+    assert any(target == 9090 for _, _, target in ports(compose["prometheus"]))
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "triton.yaml").read_text())["providers"]
+    dashboards = mounted_source(grafana, provider["options"]["path"])
+    assert sorted(p.name for p in dashboards.glob("*.json")) == ["triton.json"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert Path(home).parent == Path(provider["options"]["path"]) and (dashboards / Path(home).name).is_file()
+    dashboard = json.loads((dashboards / "triton.json").read_text())
+    assert dashboard["uid"] and dashboard["panels"]
