@@ -86,7 +86,7 @@ ALL_MODELS = (PREPROCESS_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL, ENSEMBLE_MODEL)
 ONNX_PATH = MODEL_REPOSITORY / ONNX_MODEL / "1" / "model.onnx"
 TORCHSCRIPT_PATH = MODEL_REPOSITORY / TORCHSCRIPT_MODEL / "1" / "model.pt"
 #: The same network quantized to INT8 (ONNX Runtime static quantization, QDQ, per-channel weights,
-#: calibrated on real photos: export/quantize.py), beside the FP32 file; configs that name it serve it.
+#: calibrated on real photos: resnet18_kit/export/quantize.py), beside the FP32 file; configs that name it serve it.
 ONNX_INT8_PATH = ONNX_PATH.with_name("model.int8.onnx")
 #: Weights source, library versions, parity figures and sha256 of each exported file (JSON), the same
 #: record next to each export so a version folder copied alone still says where it came from.

@@ -68,6 +68,22 @@ def test_tests_import_public_modules_only():
     assert not offenders, offenders
 
 
+#: Pairs of places sharing a run of DUPLICATE_MIN_LINES or more lines (pylint duplicate-code, imports,
+#: docstrings and comments ignored) the package and its tests may hold: no more than today.
+MAX_DUPLICATE_PAIRS = 0
+DUPLICATE_MIN_LINES = 6
+
+
+def test_no_more_repeated_code_than_today():
+    files = [str(path) for path in python_files() if "model_repository" not in path.parts]
+    result = subprocess.run([str(BIN / "pylint"), "--disable=all", "--enable=duplicate-code",
+                             f"--min-similarity-lines={DUPLICATE_MIN_LINES}", "--ignore-imports=yes",
+                             "--ignore-docstrings=yes", "--ignore-comments=yes", "--score=no", *files],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    pairs = result.stdout.count("Similar lines in")
+    assert pairs <= MAX_DUPLICATE_PAIRS, result.stdout[-6000:]
+
+
 def requirement_name(requirement: str) -> str:
     return re.split(r"[\[<>=~!; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
 
@@ -124,3 +140,13 @@ def test_the_results_option_moves_the_results_folder(tmp_path):
                         cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     assert f"skipped: no {results / 'reliability'}" in result.stderr, result.stderr
+
+
+def test_the_readme_layout_names_every_folder_of_the_package():
+    readme = (REPO_ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    folders = sorted({path.parent.relative_to(REPO_ROOT / "resnet18_kit").parts[0]
+                      for path in (REPO_ROOT / "resnet18_kit").glob("*/__init__.py")})
+    assert len(folders) >= 7
+    missing = [folder for folder in folders if f"  {folder}/ " not in layout]
+    assert not missing, f"README.md's layout has no line for {missing}"

@@ -7,7 +7,7 @@ twin of N model instances with `intra_op_threads: 1`. The ceiling is the better 
 config cannot look efficient merely by using an arrangement the in-process baseline did not try.
 Serving efficiency = served infer/s / ceiling infer/s at the batch size the server formed.
 The networks are loaded by the served models' own code (runtimes.py, see `load_runner`). The end-to-end
-twin (decode + network, encoded photos in) is bench/pipeline_inprocess.py.
+twin (decode + network, encoded photos in) is resnet18_kit/bench/pipeline_inprocess.py.
 """
 from __future__ import annotations
 

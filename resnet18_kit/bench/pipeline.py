@@ -2,9 +2,9 @@
 (preprocess -> resnet18_onnx), served, against the same pipeline in-process.
 
 For each config variant (a server-wide tritonserver `--model-config-name`; "default" = config.pbtxt
-everywhere), the embedded tritonserver is restarted with it (as bench/__main__.py's run_config does), and
-for each photo set (bench/photos.py: "sample", "12mp"):
-  1. the in-process twin (bench/pipeline_inprocess.py: the same decode/transform code and network
+everywhere), the embedded tritonserver is restarted with it (as resnet18_kit/bench/__main__.py's run_config does), and
+for each photo set (resnet18_kit/load/photos.py: "sample", "12mp"):
+  1. the in-process twin (resnet18_kit/bench/pipeline_inprocess.py: the same decode/transform code and network
      runtime, batch size and decode threads as the variant's configs) is measured: saturation img/s and
      batch-1 latency;
   2. per protocol (grpc, http), a perf_analyzer concurrency sweep against `resnet18`, one run per level

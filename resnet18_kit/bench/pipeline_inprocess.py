@@ -5,7 +5,7 @@ model_repository/preprocess/1/image_transform.py via resnet18_kit.contract.image
 of the variant's preprocess config) -> FP32 [B, 3, 224, 224] -> the network (the resnet18_onnx model's own
 loader, runtimes.py via resnet18_kit.contract.runtimes(): RuntimeSpec.from_parameters with the parameters of
 the variant's resnet18_onnx config, then runtimes.load) -> logits FP32 [B, 1000]. What the twin copies
-from the variant's configs (bench/pipeline_config.py):
+from the variant's configs (resnet18_kit/observe/model_config.py):
   * B = the network config's max_batch_size;
   * decode threads = the preprocess config's instance count (Pillow's decoders and resize, and numpy's
     arithmetic, release the GIL, so threads decode in parallel as the stub processes do);

@@ -1,4 +1,4 @@
-"""The end-to-end part of report.md (summary.json's "pipeline", bench/pipeline.py) and its two plots."""
+"""The end-to-end part of report.md (summary.json's "pipeline", resnet18_kit/bench/pipeline.py) and its two plots."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -108,7 +108,7 @@ def markdown(pipeline: dict, plots: dict[str, str]) -> list[str]:
            f"image per request, cycled), no shared memory, {windows}; the server restarted per variant "
            f"(`--model-config-name`). Per step, queue and compute (infer) are the statistics extension's "
            f"means per request, ms. In-process: the same decode/transform code and network runtime, no "
-           f"server (bench/pipeline_inprocess.py), measured before and after each photo set's sweeps; "
+           f"server (resnet18_kit/bench/pipeline_inprocess.py), measured before and after each photo set's sweeps; "
            f"efficiency = best served img/s / in-process saturation img/s (mean of before and after); "
            f"c=1 gap = served p50 at concurrency 1 - in-process batch-1 p50. Took {pipeline['elapsed_s']:.0f} s.",
            "", "### End-to-end targets", ""] + targets_table(pipeline["targets"])

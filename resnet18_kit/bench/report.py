@@ -1,7 +1,7 @@
 """Turn a benchmark run's summary.json into report.md and PNG plots (matplotlib, no display needed).
 
 Sections: the tensor sweeps of resnet18_onnx per config (summary "configs", "inprocess", "identity";
-absent with --skip-tensor-sweeps) and the end-to-end pipeline (summary "pipeline", bench/pipeline_report.py;
+absent with --skip-tensor-sweeps) and the end-to-end pipeline (summary "pipeline", resnet18_kit/bench/pipeline_report.py;
 absent with --skip-pipeline)."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ OpenVINO FP32 / BF16 (its INFERENCE_PRECISION_HINT) / INT8, TorchScript FP32. Fo
 p50 / p99 latency of one batch at each batch size, with every core (threads 0) and with one thread (the
 served int8 variant's arrangement); then each one's logits against ONNX Runtime FP32 (the reference) on
 real photos through the served transform: the sample photos and the held-out photos, each also mirrored
-(client/samples.py): top-1 agreement, top-5 overlap, max |logit difference| (export/quantize.py).
+(resnet18_kit/client/samples.py): top-1 agreement, top-5 overlap, max |logit difference| (resnet18_kit/export/quantize.py).
 
 Rounds: the runtimes are measured in turn, `--rounds` times (A/B interleaved), and each figure is the
 median over rounds, so a drift of a shared machine's speed does not land on one runtime only.

@@ -6,7 +6,7 @@ from pathlib import Path
 #: Photos of everyday ImageNet-like subjects, in skimage/data/.
 SAMPLE_PHOTO_NAMES = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
 #: Other real photos of the same wheel, never used to calibrate the INT8 model: the held-out inputs its
-#: agreement with FP32 is measured on (export/quantize.py).
+#: agreement with FP32 is measured on (resnet18_kit/export/quantize.py).
 HELD_OUT_PHOTO_NAMES = ("motorcycle_right.png", "hubble_deep_field.jpg", "retina.jpg", "camera.png",
                         "coins.png", "brick.png", "grass.png", "gravel.png", "moon.png", "ihc.png")
 

@@ -1,7 +1,7 @@
 """python -m resnet18_kit.export: write ResNet-18 (ONNX + TorchScript) into the model repository, parity-checked.
 
 Writes model_repository/resnet18_onnx/1/model.onnx, its INT8 quantization model.int8.onnx (calibrated on
-the sample photos or --calibration-dir; export/quantize.py), resnet18_torchscript/1/model.pt, a
+the sample photos or --calibration-dir; resnet18_kit/export/quantize.py), resnet18_torchscript/1/model.pt, a
 provenance.json next to each (weights, versions, parity, calibration set, INT8 agreement with FP32), and
 the preprocess model's warmup image. Checks the committed labels file against
 torchvision's ImageNet category names. Exit status 1 with a message when the parity check fails.

@@ -7,7 +7,7 @@ Recipe (ONNX Runtime's `onnxruntime.quantization`, the documented CPU path):
      ranges from MinMax calibration over the calibration batch. On a CPU with AVX-512 VNNI the result
      runs ~3x the FP32 model's speed (docs/benchmarks.md has this machine's figures).
 
-Calibration images: the sample photos (client/samples.py) or every image of a `--calibration-dir`, each
+Calibration images: the sample photos (resnet18_kit/client/samples.py) or every image of a `--calibration-dir`, each
 also mirrored left-right (twice the inputs, the same statistics a horizontally symmetric world has),
 through the served transform (model_repository/preprocess/1/image_transform.py), so the ranges are the
 ones the served pipeline produces.

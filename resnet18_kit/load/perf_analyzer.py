@@ -54,7 +54,7 @@ class LoadSpec:
     fallback_request_count: when no stable windows come (see run_level), measure exactly this many
         requests instead (--request-count: one measurement, no stability check); 0 = fail instead.
     request_count: > 0 = skip the stabilized windows and measure exactly this many requests (--quick).
-    input_data: a JSON file for --input-data (real inputs, e.g. encoded photos as BYTES: bench/photos.py);
+    input_data: a JSON file for --input-data (real inputs, e.g. encoded photos as BYTES: resnet18_kit/load/photos.py);
         None = perf_analyzer's random data.
     profile_export: write --profile-export-file (profile.json: per-request timestamps, for latency mean,
         std, min, max). False for real BYTES inputs: perf_analyzer 2.51 also records every request's input

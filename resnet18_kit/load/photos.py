@@ -16,7 +16,7 @@ photo, which perf_analyzer sends in turn, cycling (one image per request, batch 
 
 For a BYTES input, perf_analyzer takes the decoded b64 bytes as the tensor's serialized form, Triton's
 BYTES wire layout: per element a 4-byte little-endian unsigned length, then that many bytes
-(`serialize_bytes_element`; the same layout export/__main__.py writes for the preprocess warmup file).
+(`serialize_bytes_element`; the same layout resnet18_kit/export/__main__.py writes for the preprocess warmup file).
 "shape" [1] is the input's dims without the batch dimension (model_repository/resnet18/config.pbtxt).
 """
 from __future__ import annotations
