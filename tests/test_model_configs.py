@@ -128,3 +128,83 @@ def test_network_configs_serve_the_exports_outputs_in_their_order(model):
     Python-backend model looks each configured name up in the runtime's outputs: both need the export's
     names in the export's order (variants have the default's signature: the test above)."""
     assert tuple(t.name for t in default_config(model).output) == contract.runtimes().OUTPUT_NAMES
+
+
+# -- Triton's answer for what a config leaves out (observe.model_config; core src/model_config_utils.cc r24.10) --
+
+def counts(text: str, gpus: int = 0) -> int:
+    from resnet18_kit.observe.model_config import instance_count
+
+    return instance_count(text_format.Parse(text, mc.ModelConfig()), gpus)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('backend: "python" instance_group [{ count: 0, kind: KIND_CPU }]', 1),
+    ('backend: "python" instance_group [{ count: -1, kind: KIND_CPU }]', 1),
+    ('backend: "onnxruntime" instance_group [{ count: 0, kind: KIND_CPU }]', 2),  # onnxruntime/tensorflow opt in
+    ('platform: "onnxruntime_onnx" instance_group [{ count: 0 }]', 2),  # KIND_AUTO without GPUs = KIND_CPU
+    ('backend: "pytorch" instance_group [{ count: 0 }, { count: 3, kind: KIND_CPU }]', 4),
+    ('backend: "python"', 1),  # no instance_group: one group, KIND_AUTO, default count
+    ('backend: "onnxruntime"', 2),
+    ('backend: "tensorflow" platform: "tensorflow_savedmodel"', 2),
+    ('name: "e" platform: "ensemble"', 0),  # instance groups do not apply to an ensemble
+])
+def test_instance_count_is_tritons_on_a_cpu_only_machine(text, expected):
+    assert counts(text) == expected
+
+
+def test_instance_count_with_gpus_counts_per_gpu_and_refuses_kind_gpu_without_one():
+    assert counts('backend: "onnxruntime"', gpus=2) == 2  # KIND_AUTO = KIND_GPU: 1 (default) on each GPU
+    assert counts('backend: "onnxruntime" instance_group [{ count: 3, kind: KIND_GPU, gpus: [1] }]', gpus=2) == 3
+    with pytest.raises(ValueError, match="KIND_GPU"):
+        counts('backend: "onnxruntime" instance_group [{ count: 1, kind: KIND_GPU }]')
+
+
+def test_bench_and_planner_read_the_same_figures_through_one_reader():
+    from resnet18_kit.bench.__main__ import local_batching
+    from resnet18_kit.observe import model_config
+    from resnet18_kit.planner.__main__ import configs_instance_counts
+    from resnet18_kit.planner.batcher import batcher_from_config
+
+    for variant in ("default", "latency", "throughput", "no_batching"):
+        config = model_config.variant_config(contract.ONNX_MODEL, variant)
+        batcher = batcher_from_config(config)
+        assert local_batching(contract.ONNX_MODEL, variant) == (batcher.max_batch_size, batcher.queue.max_queue_size,
+                                                                model_config.instance_count(config))
+        assert configs_instance_counts(contract.ONNX_MODEL, [variant]) == [model_config.instance_count(config)]
+    with pytest.raises(FileNotFoundError, match="nosuch.pbtxt"):
+        model_config.own_config_path(contract.ONNX_MODEL, "nosuch")
+
+
+def test_preferred_sizes_default_to_max_batch_size_and_queue_fields_to_none():
+    from resnet18_kit.observe import model_config
+
+    config = text_format.Parse("max_batch_size: 8 dynamic_batching { }", mc.ModelConfig())
+    assert model_config.preferred_batch_sizes(config) == (8,)
+    assert (model_config.max_queue_delay_us(config), model_config.max_queue_size(config)) == (0, 0)
+    unbatched = text_format.Parse("max_batch_size: 8", mc.ModelConfig())
+    assert not model_config.dynamic_batching(unbatched) and model_config.preferred_batch_sizes(unbatched) == ()
+
+
+def test_served_config_reads_the_servers_json_with_the_same_functions():
+    """HTTP gives the .proto's field names, gRPC (as_json) camelCase and int64 as strings: one answer."""
+    from resnet18_kit.observe.model_config import served_config
+
+    http = {"name": "m", "max_batch_size": 32, "instance_group": [{"name": "m_0", "kind": "KIND_CPU", "count": 2}],
+            "dynamic_batching": {"preferred_batch_size": [32], "max_queue_delay_microseconds": 100000,
+                                 "default_queue_policy": {"max_queue_size": 64}},
+            "some_field_of_a_newer_server": {}}
+    grpc = {"name": "m", "maxBatchSize": 32, "instanceGroup": [{"name": "m_0", "kind": "KIND_CPU", "count": 2}],
+            "dynamicBatching": {"preferredBatchSize": [32], "maxQueueDelayMicroseconds": "100000",
+                                "defaultQueuePolicy": {"maxQueueSize": "64"}}}
+
+    class Client:
+        def __init__(self, config):
+            self.config = config
+
+        def model_config(self, model):
+            return self.config
+
+    expected = {"max_batch_size": 32, "dynamic_batching": True, "preferred_batch_size": [32],
+                "max_queue_delay_us": 100000, "max_queue_size": 64, "instances": 2}
+    assert served_config(Client(http), "m") == expected == served_config(Client(grpc), "m")

@@ -1,5 +1,6 @@
-"""The capacity planner (planner/): Triton's batching rules on hand-built queues, the simulator's queue
-policy and timing, the worked example, profiles, arrivals and config writing. No server needed."""
+"""The capacity planner's model (planner/): Triton's batching rules on hand-built queues, the simulator's
+queue policy and timing, speed under load, the worked example, profiles and arrivals. No server needed.
+Configs, the commands and the validation's trace reading: tests/test_planner_commands.py."""
 from __future__ import annotations
 
 import json
@@ -8,15 +9,12 @@ from collections import deque
 import numpy as np
 import pytest
 
-from resnet18_kit.planner.__main__ import main as planner_main
 from resnet18_kit.planner.arrivals import Bursty, Poisson, Trace
 from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy, Request, form_batch
-from resnet18_kit.planner.pbtxt import batcher_from_config, instance_count, load_config, planned_config, write_config
 from resnet18_kit.planner.profile import BatchTiming, Profile, constant_profile
 from resnet18_kit.planner.search import SearchSpace, Slo, capacity_bound, plan, speed_for
 from resnet18_kit.planner.simulator import LostWakeup, simulate
 from resnet18_kit.planner.speed import SpeedTrace, window_factors
-from resnet18_kit.contract import MODEL_REPOSITORY
 
 
 def queue_of(arrivals_s, sizes=None, deadlines_s=None) -> deque:
@@ -240,7 +238,7 @@ def test_capacity_bound_is_strictly_below_full_load():
     assert capacity_bound(20000, 1000, max_utilization=0.5) == 41
 
 
-# -- profiles, arrivals, configs --------------------------------------------------------------------------
+# -- profiles, arrivals -----------------------------------------------------------------------------------
 
 def test_profile_round_trips_and_interpolates(tmp_path):
     profile = Profile("m", {1: {1: BatchTiming(20.0, 2.0), 8: BatchTiming(90.0, 5.0)}}, overhead_us=800.0,
@@ -282,157 +280,3 @@ def test_trace_loads_text_and_perf_analyzer_export(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(export))
     assert Trace.load(tmp_path / "p.json").times_s.tolist() == [0.0, 0.25, 0.5]
     assert len(trace.arrivals(10, replicas=2)) == 10  # replayed as often as needed
-
-
-def test_batcher_read_from_the_repositorys_configs():
-    base = load_config(MODEL_REPOSITORY / "resnet18_onnx" / "config.pbtxt")
-    assert batcher_from_config(base) == BatcherConfig(16, True, (8, 16), 0, QueuePolicy(64, 0, True))
-    throughput = batcher_from_config(load_config(MODEL_REPOSITORY / "resnet18_onnx/configs/throughput.pbtxt"))
-    assert (throughput.max_batch_size, throughput.preferred, throughput.max_queue_delay_us) == (32, (32,), 100_000)
-    assert not batcher_from_config(load_config(MODEL_REPOSITORY / "resnet18_onnx/configs/no_batching.pbtxt")
-                                   ).dynamic_batching
-    assert instance_count(base) == 2
-
-
-def test_planned_config_is_the_base_config_with_the_plan_and_parses_back(tmp_path):
-    base = load_config(MODEL_REPOSITORY / "resnet18_onnx" / "config.pbtxt")
-    batcher = BatcherConfig(8, max_queue_delay_us=20_000, queue=QueuePolicy(48, 0, True))
-    written = write_config(planned_config(base, batcher, 2, {"intra_op_threads": "1"}), tmp_path / "p.pbtxt",
-                           header="planned\nby a test")
-    again = load_config(written)
-    assert written.read_text().startswith("# planned\n# by a test\n")
-    assert (again.name, again.backend, again.input[0].dims) == (base.name, base.backend, base.input[0].dims)
-    assert batcher_from_config(again) == batcher
-    assert again.instance_group[0].count == 2 and again.parameters["intra_op_threads"].string_value == "1"
-    assert base.instance_group[0].rate_limiter.resources  # the default serializes its instances ...
-    assert not again.instance_group[0].HasField("rate_limiter")  # ... a plan runs them side by side
-    assert all(w.batch_size <= 8 for w in again.model_warmup)
-    unbatched = planned_config(base, BatcherConfig(16, dynamic_batching=False), 1)
-    assert not unbatched.HasField("dynamic_batching")
-
-
-def test_plan_command_writes_a_servable_config_outside_the_model_repository(tmp_path, capsys):
-    profile = Profile("resnet18_onnx", {1: {1: BatchTiming(20.0, 1.0), 8: BatchTiming(120.0, 5.0),
-                                            16: BatchTiming(230.0, 8.0)}}, overhead_us=1000.0)
-    path = profile.save(tmp_path / "profile.json")
-    code = planner_main(["plan", "--profile", str(path), "--qps", "100", "--budget-ms", "600", "--requests", "4000",
-                         "--out", str(tmp_path / "out"), "--name", "planned_test"])
-    assert code == 0
-    printed = capsys.readouterr().out
-    assert "BEST:" in printed and "queue delay chosen" in printed
-    written = tmp_path / "out" / "resnet18_onnx" / "configs" / "planned_test.pbtxt"
-    config = load_config(written)
-    assert config.name == "resnet18_onnx" and config.max_batch_size in (8, 16)
-    assert not (MODEL_REPOSITORY / "resnet18_onnx" / "configs" / "planned_test.pbtxt").exists()
-    assert config.dynamic_batching.default_queue_policy.max_queue_size > 0  # bounded by default
-
-    code = planner_main(["plan", "--profile", str(path), "--qps", "100", "--budget-ms", "600", "--requests", "4000",
-                         "--out", str(tmp_path / "out"), "--name", "unbounded", "--unbounded-queue"])
-    unbounded = load_config(tmp_path / "out" / "resnet18_onnx" / "configs" / "unbounded.pbtxt")
-    assert code == 0 and unbounded.HasField("dynamic_batching")
-    assert not unbounded.dynamic_batching.HasField("default_queue_policy")  # Triton then prefetches
-
-
-# -- reading Triton's request trace (validation) ------------------------------------------------------------
-
-def test_trace_summary_finds_requests_left_waiting_by_a_missed_wakeup(tmp_path):
-    from resnet18_kit.planner.validate import read_traces, split_levels, trace_summary
-
-    ms = 1_000_000
-    # (queue start, compute start, compute end) in ms; one instance, no queue delay, batches of up to 4.
-    requests = [(0, 0, 100), (50, 100, 200),       # queued during an execution, started at its end
-                (150, 700, 800),                   # queued at 150, instance free at 200, started 700: stall
-                (900, 900, 1000), (950, 1201, 1300), (1200, 1201, 1300)]  # stall rescued by an arrival
-    entries = []
-    for i, (q, c, e) in enumerate(requests, start=1):
-        entries.append({"id": i, "model_name": "m", "model_version": 1})
-        entries.append({"id": i, "timestamps": [{"name": "QUEUE_START", "ns": q * ms},
-                                                {"name": "COMPUTE_START", "ns": c * ms},
-                                                {"name": "COMPUTE_END", "ns": e * ms}]})
-    (tmp_path / "trace.json.0").write_text(json.dumps(entries))
-    traced = read_traces(tmp_path / "trace.json", "m")
-    assert len(traced) == 6
-    (level,) = split_levels(traced, [6])
-    summary = trace_summary(level, BatcherConfig(max_batch_size=4))
-    assert summary["stalled"] == 1 and summary["stalled_idle"] == 1  # the 550 ms wait, 500 ms of it idle
-    missed = summary["missed_wakeups"]
-    assert (missed["busy_completions"], missed["missed"], missed["rescued_by_arrival"]) == (3, 2, 1)
-    assert missed["extra_wait_ms_max"] == pytest.approx(500.0)
-
-
-# -- progress of the long commands (bench/progress.py, planner profile/validate) -------------------------
-
-def test_progress_counts_steps_and_logs_each_with_its_eta(caplog):
-    import logging
-
-    from resnet18_kit.progress import Progress
-
-    caplog.set_level(logging.INFO, logger="planner")
-    with Progress(4, "level", "validate", logging.getLogger("planner"), disable=True) as progress:
-        progress("default: capacity 49.0 infer/s")
-        progress("default 30% = 14.7 req/s: 14.6 infer/s", step=True)
-        progress("default 70%: other processes took 30% of the cores; measuring again", warning=True)
-        progress.update()
-        assert progress.done == 2 and progress.eta_s() is not None
-        assert progress.status().startswith("2/4 levels, ") and "ETA " in progress.status()
-    records = [(r.levelname, r.getMessage()) for r in caplog.records]
-    assert records[0] == ("INFO", "default: capacity 49.0 infer/s")
-    assert records[1][0] == "INFO" and records[1][1].startswith("default 30% = 14.7 req/s: 14.6 infer/s; 1/4 levels")
-    assert records[2][0] == "WARNING"
-    assert records[3][1].startswith("validate: 2/4 levels, ")
-
-
-def test_profile_progress_counts_the_measurements_measure_profile_reports():
-    from resnet18_kit.progress import Progress
-    import inspect
-
-    from resnet18_kit.planner import measure
-    from resnet18_kit.planner.__main__ import profile_runs
-
-    # 6 batch sizes + the lone request + speed at 25/50/75% + the closed loop: the 11 lines of a default run
-    assert profile_runs([1, 2, 4, 8, 16, 32], [1], speed_under_load=True) == 11
-    assert profile_runs([1, 2, 4, 8, 16, 32], [1, 2], speed_under_load=False) == 13
-    # measure_profile and measure_speed report each finished measurement as a step (the batch sizes, the
-    # lone request; each speed level and the closed loop), a repeated one as a warning, the start plain.
-    source = inspect.getsource(measure.measure_profile) + inspect.getsource(measure.measure_speed)
-    assert source.count("step=True") == 4 and source.count("warning=True") == 1
-    with Progress(3, "run", "profile", disable=True) as progress:
-        progress("profile: 1 instance(s): starting tritonserver")
-        progress("profile: batch 2: other processes took 40% of the cores; measuring again (attempt 2)", warning=True)
-        progress("profile: 1 instance(s), batch 2: cycle 45.2 ms (server compute 45.6 ms)", step=True)
-        progress("profile: lone batch-1 request p50 20.2 ms -> overhead 0 us", step=True)
-        assert progress.done == 2
-
-
-def test_validate_and_profile_take_a_log_level(capsys):
-    from resnet18_kit.planner.__main__ import main as planner_main
-
-    with pytest.raises(SystemExit):
-        planner_main(["validate", "--help"])
-    assert "--log-level" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        planner_main(["profile", "-v", "--log-level", "INFO"])  # one or the other
-
-
-def test_validate_profiles_the_instance_counts_of_the_configs_it_validates():
-    from resnet18_kit.planner.__main__ import configs_instance_counts
-
-    # config.pbtxt runs 2 rate-limited instances, latency 1, throughput 2: a profile of 1 alone
-    # could not predict the default (validate used to stop with a KeyError after its profile).
-    assert configs_instance_counts("resnet18_onnx", ["default", "throughput"]) == [2]
-    assert configs_instance_counts("resnet18_onnx", ["latency", "throughput", "default"]) == [1, 2]
-
-
-@pytest.mark.parametrize("args, named", [
-    (["validate", "--configs", "nosuch"], "nosuch.pbtxt"),
-    (["simulate", "--profile", "{missing}", "--rate", "10"], "missing.json"),
-    (["simulate", "--profile", "{not_json}", "--rate", "10"], "not_json.json: not a profile JSON file"),
-])
-def test_bad_inputs_are_one_line_and_exit_2(args, named, tmp_path, capsys):
-    from resnet18_kit.planner.__main__ import main
-
-    (tmp_path / "not_json.json").write_text("{")
-    args = [a.format(missing=tmp_path / "missing.json", not_json=tmp_path / "not_json.json") for a in args]
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and named in err, err

@@ -45,7 +45,8 @@ from resnet18_kit.bench import inprocess
 from resnet18_kit.observe.machine import cpu_share, cpu_ticks, machine_info
 from resnet18_kit.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
 from resnet18_kit.bench.pipeline import pipeline_options, print_targets, run_pipeline
-from resnet18_kit.observe.model_config import instance_count, served_config, variant_config
+from resnet18_kit.observe import model_config
+from resnet18_kit.observe.model_config import served_config
 from resnet18_kit.progress import Progress, add_logging_arguments, setup_logging
 from resnet18_kit.bench.report import saturation_row, write_report
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
@@ -65,10 +66,10 @@ def config_names(model: str) -> list[str]:
 
 
 def local_batching(model: str, name: str) -> tuple[int, int, int]:
-    """(max_batch_size, max_queue_size, instances) of config `name` as written in the model repository."""
-    config = variant_config(model, name)
-    return (config.max_batch_size, config.dynamic_batching.default_queue_policy.max_queue_size,
-            instance_count(config))
+    """(max_batch_size, max_queue_size, instances) of config `name` as written in the model repository,
+    read with observe.model_config (Triton's defaults: e.g. an instance group of count 0)."""
+    config = model_config.variant_config(model, name)
+    return model_config.max_batch_size(config), model_config.max_queue_size(config), model_config.instance_count(config)
 
 
 def measure_level(server: EmbeddedTritonServer, model: str, load: LoadSpec, level: float, out_dir: Path,

@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from resnet18_kit.progress import Progress, add_logging_arguments, setup_logging
-from resnet18_kit.contract import results_dir, MODEL_REPOSITORY, REPO_ROOT
+from resnet18_kit.contract import DEFAULT_VARIANT, MODEL_REPOSITORY, ONNX_MODEL, config_path, results_dir
 from resnet18_kit.planner.arrivals import BALANCERS, Bursty, Poisson, Trace
 from resnet18_kit.planner.profile import Profile, constant_profile
 from resnet18_kit.planner.search import Plan, SearchSpace, Slo, format_plan, plan, speed_for
@@ -70,11 +70,12 @@ def plan_to_json(p: Plan) -> dict:
 def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path, name: str, command: str) -> Path:
     """Write the plan's best config (base config + its batcher and instances) to `path`, with a header
     saying how it was planned and what it is predicted to do; returns the path."""
-    from resnet18_kit.planner.pbtxt import load_config, planned_config, write_config
+    from resnet18_kit.observe.model_config import read_config
+    from resnet18_kit.planner.pbtxt import planned_config, write_config
 
     best = p.best
     params = (profile.extra.get("instance_parameters", {}) or {}).get(str(best.instances), {})
-    config = planned_config(load_config(base_path), best.batcher, best.instances, params)
+    config = planned_config(read_config(base_path), best.batcher, best.instances, params)
     d = best.predicted(p.slo)
     header = (f"{config.name}, variant \"{name}\" (--model-config-name={name}), written by the capacity planner:\n"
               f"  {command}\n"
@@ -83,7 +84,7 @@ def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path,
               f"Predicted: {d['devices']:,} devices x {best.instances} instance(s); per device "
               f"{d['throughput_rps_per_device']:,.1f} infer/s, p50 {d['p50_ms']:.1f} ms, p99 {d['p99_ms']:.1f} ms, "
               f"busy {d['busy_fraction']:.0%}, average batch {d['average_batch']:.1f}.\n"
-              + (f"max_queue_size = requests one device serves within the budget (planner/search.py)."
+              + ("max_queue_size = requests one device serves within the budget (planner/search.py)."
                  if best.batcher.queue.max_queue_size else
                  "No queue policy: Triton prefetches payloads (no lost wake-up, no queue bound)."))
     return write_config(config, path, header)
@@ -109,9 +110,10 @@ def cmd_plan(args) -> int:
     if args.unbounded_queue:
         space = replace(space, base_queue=None)
     elif args.model_config:
-        from resnet18_kit.planner.pbtxt import batcher_from_config, load_config
+        from resnet18_kit.observe.model_config import read_config
+        from resnet18_kit.planner.batcher import batcher_from_config
 
-        base_queue = batcher_from_config(load_config(args.model_config)).queue
+        base_queue = batcher_from_config(read_config(args.model_config)).queue
         space = replace(space, base_queue=replace(base_queue, max_queue_size=0))
     if space.base_queue is not None and not space.lost_wakeup:
         print("note: the written config bounds the queue; Triton 2.51 then loses batcher wake-ups (up to "
@@ -121,7 +123,7 @@ def cmd_plan(args) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(plan_to_json(result), indent=2) + "\n")
-    base = args.model_config or (MODEL_REPOSITORY / profile.model / "config.pbtxt")
+    base = args.model_config or config_path(profile.model)
     if result.best is None:
         print("no config meets the SLO within the search space", file=sys.stderr)
         return 1
@@ -149,12 +151,12 @@ def cmd_worked_example(args) -> int:
 
 def cmd_simulate(args) -> int:
     """`simulate`: one config at one rate (req/s); prints the simulated figures (ms, infer/s)."""
-    from resnet18_kit.planner.pbtxt import batcher_from_config, instance_count, load_config
+    from resnet18_kit.observe.model_config import instance_count, own_config_path, read_config
+    from resnet18_kit.planner.batcher import batcher_from_config
 
     profile = Profile.load(args.profile)
-    path = args.config or (MODEL_REPOSITORY / profile.model / ("config.pbtxt" if args.config_name == "default"
-                                                              else f"configs/{args.config_name}.pbtxt"))
-    config = load_config(path)
+    path = args.config or own_config_path(profile.model, args.config_name)
+    config = read_config(path)
     batcher, instances = batcher_from_config(config), instance_count(config)
     if args.max_queue_delay_us is not None:
         batcher = replace(batcher, max_queue_delay_us=args.max_queue_delay_us)
@@ -215,23 +217,26 @@ def cmd_profile(args) -> int:
 
 
 def configs_instance_counts(model: str, names: list[str]) -> list[int]:
-    """The distinct instance counts (planner.pbtxt.instance_count) of `model`'s configs `names`
-    ("default" or configs/<name>.pbtxt), ascending: the profile validate needs to predict every one."""
-    from resnet18_kit.planner.pbtxt import instance_count, load_config
-    from resnet18_kit.planner.validate import config_path
-    return sorted({instance_count(load_config(config_path(model, name))) for name in names})
+    """The distinct instance counts (observe.model_config.instance_count: Triton's) of `model`'s configs
+    `names` ("default" or configs/<name>.pbtxt), ascending: the profile validate needs to predict every
+    one. Raises FileNotFoundError for a name the model has no config of."""
+    from resnet18_kit.observe.model_config import instance_count, own_config_path, read_config
+
+    return sorted({instance_count(read_config(own_config_path(model, name))) for name in names})
 
 
 def cmd_validate(args) -> int:
     """`validate`: profile, then every config x level against the simulation; writes validation.json and
     validation.md into --out and prints the tables (starts tritonserver; about 20 minutes by default)."""
-    from resnet18_kit.planner.measure import server_ceiling_from_bench
-    from resnet18_kit.planner.validate import add_predictions, config_path, format_table, validate_config
+    from resnet18_kit.observe.model_config import own_config_path
+    from resnet18_kit.planner.validate_analysis import add_predictions, format_table
 
     setup_logging("planner validate", args.log_level)
     for name in args.configs:  # before minutes of profiling, not after
-        if not config_path(args.model, name).is_file():
-            raise FileNotFoundError(f"--configs {name}: no such config: {config_path(args.model, name)}")
+        try:
+            own_config_path(args.model, name)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"--configs {name}: {exc}") from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.predict_only:
@@ -241,6 +246,9 @@ def cmd_validate(args) -> int:
         (out / "validation.md").write_text(format_table(rows) + "\n")
         print(format_table(rows))
         return 0
+    from resnet18_kit.planner.measure import server_ceiling_from_bench
+    from resnet18_kit.planner.validate import validate_config
+
     if args.profile:
         profile = Profile.load(args.profile)
     else:
@@ -316,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("simulate", help="one config at one load")
     p.add_argument("--profile", type=Path, required=True)
     p.add_argument("--config", type=Path, help="a .pbtxt (default: the profile model's --config-name)")
-    p.add_argument("--config-name", default="default")
+    p.add_argument("--config-name", default=DEFAULT_VARIANT)
     p.add_argument("--rate", type=float, required=True, help="total requests/s")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--requests", type=int, default=20000)
@@ -330,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     for command, helptext in (("profile", "measure a profile (starts tritonserver)"),
                               ("validate", "profile + perf_analyzer vs simulation (starts tritonserver)")):
         p = sub.add_parser(command, help=helptext)
-        p.add_argument("--model", default="resnet18_onnx", help="model of the repository (default resnet18_onnx)")
+        p.add_argument("--model", default=ONNX_MODEL, help=f"model of the repository (default {ONNX_MODEL})")
         p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                        help="batch sizes to profile, images per execution (default 1 2 4 8 16 32)")
         p.add_argument("--instances", type=int, nargs="+",
@@ -348,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             p.set_defaults(func=cmd_profile)
         else:
             p.add_argument("--profile", type=Path, help="use this profile instead of measuring one")
-            p.add_argument("--configs", nargs="+", default=["default", "throughput"],
+            p.add_argument("--configs", nargs="+", default=[DEFAULT_VARIANT, "throughput"],
                            help="config names: default (config.pbtxt) or <name> (configs/<name>.pbtxt); "
                                 "default: default throughput")
             p.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.7, 0.95],

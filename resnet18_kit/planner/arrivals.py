@@ -110,9 +110,7 @@ class Trace:
         path = Path(path)
         text = path.read_text()
         if path.suffix == ".json":
-            data = json.loads(text)
-            stamps = [r["timestamp"] for e in data["experiments"] for r in e["requests"]]
-            times = np.array(sorted(stamps), dtype=float) / 1e9
+            times = send_times_s(json.loads(text))
         else:
             rows = [line.split("#")[0].replace(",", " ").split() for line in text.splitlines()]
             times = np.array(sorted(float(r[0]) for r in rows if r and _is_number(r[0])))
@@ -147,6 +145,14 @@ class Trace:
 
     def describe(self) -> str:
         return f"trace {self.source} ({self.times_s.size} arrivals, {self.rate_rps:.1f} req/s mean)"
+
+
+def send_times_s(export: dict) -> np.ndarray:
+    """The send times (s, ascending, from the first) of every request in a perf_analyzer profile export
+    ({"experiments": [{"requests": [{"timestamp": ns, ...}, ...]}, ...]}, e.g. load.perf_analyzer's
+    load_profile_export); an empty array when it holds no request."""
+    stamps = sorted(r["timestamp"] for e in export["experiments"] for r in e["requests"])
+    return (np.array(stamps, dtype=float) - stamps[0]) / 1e9 if stamps else np.array([])
 
 
 def _is_number(text: str) -> bool:

@@ -33,6 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from math import inf
 
+from resnet18_kit.observe import model_config
+
 
 @dataclass(frozen=True)
 class QueuePolicy:
@@ -99,6 +101,26 @@ class BatcherConfig:
         timeout = (f", timeout {self.queue.default_timeout_us / 1000:g} ms" if self.queue.default_timeout_us else "")
         return (f"max_batch_size {self.max_batch_size}, {preferred}, "
                 f"max_queue_delay {self.max_queue_delay_us / 1000:g} ms{queue}{timeout}")
+
+
+def batcher_from_config(config) -> BatcherConfig:
+    """The BatcherConfig a parsed ModelConfig describes (what the simulator runs), every field read
+    through observe.model_config (Triton's defaults: preferred sizes none = (max_batch_size,)). Without
+    a dynamic_batching block max_batch_size is at least 1. Raises ValueError for what is not modelled: a
+    queue policy with timeout_action DELAY, more than one priority level."""
+    max_batch = model_config.max_batch_size(config)
+    if not model_config.dynamic_batching(config):
+        return BatcherConfig(max_batch_size=max(1, max_batch), dynamic_batching=False)
+    if model_config.delays_timed_out_requests(config):
+        raise ValueError("timeout_action DELAY is not modelled (only REJECT)")
+    if model_config.priority_levels(config) > 1:
+        raise ValueError("priority levels are not modelled")
+    return BatcherConfig(
+        max_batch_size=max_batch, preferred_batch_sizes=model_config.preferred_batch_sizes(config),
+        max_queue_delay_us=model_config.max_queue_delay_us(config),
+        queue=QueuePolicy(max_queue_size=model_config.max_queue_size(config),
+                          default_timeout_us=model_config.queue_timeout_us(config),
+                          allow_timeout_override=model_config.timeout_override_allowed(config)))
 
 
 class Request:

@@ -10,6 +10,8 @@ import os
 import time
 from pathlib import Path
 
+from resnet18_kit.observe.machine import cpu_ticks
+
 #: A measurement during which other processes used more than this share of all cores is done again
 #: (up to MAX_ATTEMPTS times in all); the figures kept say how contaminated they were.
 MAX_FOREIGN_SHARE = 0.15
@@ -28,10 +30,8 @@ class CpuAccount:
 
     @staticmethod
     def _machine() -> tuple[int, int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-        busy = user + nice + system + irq + softirq
-        return busy, steal, busy + idle + iowait + steal
+        ticks = cpu_ticks()
+        return ticks["busy"], ticks["steal"], ticks["total"]
 
     def _ours(self) -> int:
         own = os.times()

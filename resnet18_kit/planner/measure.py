@@ -29,7 +29,6 @@ it comes from the trivial-model run of `python -m resnet18_kit.bench` (results/b
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import time
 from dataclasses import asdict
@@ -38,14 +37,15 @@ from pathlib import Path
 import numpy as np
 
 from resnet18_kit.observe.machine import machine_info
+from resnet18_kit.observe.model_config import config_parameters, output_row_bytes, read_config
 from resnet18_kit.load.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, LoadSpec, PerfAnalyzerError, command, load_profile_export,
                                  parse_csv, run_level, run_perf_analyzer)
 from resnet18_kit.progress import log_status
 from resnet18_kit.observe.statistics import ExecutionSampler, model_statistics, statistics_delta
-from resnet18_kit.contract import MODEL_REPOSITORY, REPO_ROOT, TRITON_VERSION, bench_summaries
+from resnet18_kit.contract import MODEL_REPOSITORY, TRITON_VERSION, bench_summaries, config_path
 from resnet18_kit.planner.batcher import BatcherConfig
 from resnet18_kit.planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
-from resnet18_kit.planner.pbtxt import load_config, planned_config, write_config
+from resnet18_kit.planner.pbtxt import planned_config, write_config
 from resnet18_kit.planner.profile import BatchTiming, Profile
 from resnet18_kit.planner.speed import SpeedTrace, mean_execution_ms, window_factors
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
@@ -58,20 +58,6 @@ SPEED_UTILIZATIONS = (0.25, 0.5, 0.75)
 SPEED_SECONDS = 20.0
 SPEED_CLOSED_SECONDS = 10.0
 SPEED_WINDOW_S = 1.0
-
-_DTYPE_BYTES = {"TYPE_FP32": 4, "TYPE_FP16": 2, "TYPE_FP64": 8, "TYPE_INT32": 4, "TYPE_INT64": 8,
-                "TYPE_UINT8": 1, "TYPE_INT8": 1, "TYPE_BOOL": 1}
-
-
-def output_row_bytes(config) -> int:
-    """Bytes of the largest output tensor per batch row (perf_analyzer's --output-shared-memory-size
-    is per output tensor: this times the batch size)."""
-    from tritonclient.grpc import model_config_pb2
-
-    sizes = [int(np.prod(list(o.dims))) * _DTYPE_BYTES.get(model_config_pb2.DataType.Name(o.data_type), 4)
-             for o in config.output]
-    return max(sizes) if sizes else 0
-
 
 def instance_parameters(base_parameters: dict[str, str], instances: int) -> dict[str, str]:
     """Per-instance-count parameters: with an `intra_op_threads` parameter (ONNX Runtime in this
@@ -87,8 +73,8 @@ def scratch_repository(model: str, out_dir: Path, max_batch: int, instances: int
     """A model repository holding only `model`, without dynamic batching, with `instances` instances
     and max_batch_size `max_batch`; the version folder is a link to the real one. Returns (repository
     path, the per-instance parameters used)."""
-    base = load_config(source_repository / model / "config.pbtxt")
-    params = instance_parameters({k: v.string_value for k, v in base.parameters.items()}, instances)
+    base = read_config(config_path(model, repository=source_repository))
+    params = instance_parameters(config_parameters(base), instances)
     config = planned_config(base, BatcherConfig(max_batch_size=max_batch, dynamic_batching=False), instances,
                             params)
     del config.model_warmup[:]  # measured runs warm it up; keeps start-up short
@@ -98,7 +84,7 @@ def scratch_repository(model: str, out_dir: Path, max_batch: int, instances: int
     for version in (source_repository / model).iterdir():
         if version.is_dir() and version.name.isdigit() and not (model_dir / version.name).exists():
             (model_dir / version.name).symlink_to(version.resolve())
-    write_config(config, model_dir / "config.pbtxt",
+    write_config(config, config_path(model, repository=repository),
                  header=f"{model}: profile-measurement copy (python -m resnet18_kit.planner profile), no dynamic batcher")
     return repository, params
 
@@ -187,11 +173,11 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
 
     executions: back-to-back executions measured per instance and batch size (after 2 discarded).
     Writes perf_analyzer's files under out_dir/<instances>x/b<B>/ and returns the Profile. Status lines go
-    to progress(message, warning=, step=) (bench.progress): step for each finished measurement (what
+    to progress(message, warning=, step=) (resnet18_kit.progress): step for each finished measurement (what
     planner.__main__.profile_runs counts), warning for a measurement repeated because of other load.
     """
     started = datetime.datetime.now(datetime.timezone.utc)
-    row_bytes = output_row_bytes(load_config(source_repository / model / "config.pbtxt"))
+    row_bytes = output_row_bytes(read_config(config_path(model, repository=source_repository)))
     timings: dict[int, dict[int, BatchTiming]] = {}
     details: dict = {"runs": {}, "instance_parameters": {}}
     overhead_us = 0.0

@@ -1,10 +1,12 @@
-"""Model configs in and out: read a config.pbtxt's batching, write a planned config ready to serve.
+"""Planned model configs out: write the chosen config as a config.pbtxt ready to serve.
 
-Both directions go through tritonclient's `model_config_pb2` (Triton's own ModelConfig protobuf) and
-protobuf's `text_format`, so what is written is exactly what Triton parses. A planned config is the
-model's existing config.pbtxt, parsed, with only the planned fields changed (max_batch_size,
-dynamic_batching, the instance count, per-instance parameters the profile was measured with, warmup
-batch sizes that would exceed the new max_batch_size), and re-serialized.
+Configs are read through observe.model_config (parsing and Triton's defaults, one place; the planner's
+BatcherConfig of a config is planner.batcher.batcher_from_config). Written through tritonclient's
+`model_config_pb2` (Triton's own ModelConfig protobuf) and protobuf's `text_format`, so what is written
+is exactly what Triton parses. A planned config is the model's existing config.pbtxt, parsed, with only
+the planned fields changed (max_batch_size, dynamic_batching, the instance count, per-instance
+parameters the profile was measured with, warmup batch sizes that would exceed the new max_batch_size),
+and re-serialized.
 """
 from __future__ import annotations
 
@@ -13,35 +15,8 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy
-
-
-def load_config(path: Path) -> model_config_pb2.ModelConfig:
-    """Parse a config.pbtxt. Raises google.protobuf.text_format.ParseError on a bad file."""
-    return text_format.Parse(Path(path).read_text(), model_config_pb2.ModelConfig())
-
-
-def batcher_from_config(config: model_config_pb2.ModelConfig) -> BatcherConfig:
-    """The BatcherConfig a model config describes (what the simulator runs)."""
-    if not config.HasField("dynamic_batching"):
-        return BatcherConfig(max_batch_size=max(1, config.max_batch_size), dynamic_batching=False)
-    batching = config.dynamic_batching
-    policy = batching.default_queue_policy
-    if policy.timeout_action == model_config_pb2.ModelQueuePolicy.DELAY:
-        raise ValueError("timeout_action DELAY is not modelled (only REJECT)")
-    if batching.priority_levels > 1:
-        raise ValueError("priority levels are not modelled")
-    return BatcherConfig(
-        max_batch_size=config.max_batch_size, preferred_batch_sizes=tuple(batching.preferred_batch_size),
-        max_queue_delay_us=batching.max_queue_delay_microseconds,
-        queue=QueuePolicy(max_queue_size=policy.max_queue_size,
-                          default_timeout_us=policy.default_timeout_microseconds,
-                          allow_timeout_override=policy.allow_timeout_override))
-
-
-def instance_count(config: model_config_pb2.ModelConfig) -> int:
-    """Instances per device: the sum of the instance groups' counts (1 when none is given)."""
-    return sum(g.count or 1 for g in config.instance_group) or 1
+from resnet18_kit.observe.model_config import read_config
+from resnet18_kit.planner.batcher import BatcherConfig
 
 
 def planned_config(base: model_config_pb2.ModelConfig, batcher: BatcherConfig, instances: int,
@@ -87,6 +62,6 @@ def write_config(config: model_config_pb2.ModelConfig, path: Path, header: str =
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(comment + body)
-    if load_config(path) != config:
+    if read_config(path) != config:
         raise ValueError(f"{path} does not parse back to the planned config")
     return path

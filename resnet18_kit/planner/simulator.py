@@ -53,8 +53,8 @@ class LostWakeup:
     Enqueue (which notifies once a consumer waits) or another instance's completion wakes it earlier.
     Modelled as: when an execution ends with requests waiting, with `probability` the batcher misses
     it and forms nothing until the next arrival, the next completion, or `idle_wait_s` later.
-    The probability is measured from Triton's request trace (planner/validate.py), never fitted to
-    the level it predicts."""
+    The probability is measured from Triton's request trace (missed_wakeups in
+    planner/validate_analysis.py), never fitted to the level it predicts."""
 
     probability: float
     idle_wait_s: float = BATCHER_IDLE_WAIT_S
