@@ -54,7 +54,7 @@ FIGURES_DIR = REPO_ROOT / "docs" / "figures"
 DPI = 100
 #: Every written figure must be smaller than this (they are committed as documentation).
 MAX_FIGURE_BYTES = 200_000
-#: The planner's p99 target (resnet18_kit/planner/validate.py within_target): predicted within +-25 % of measured.
+#: The planner's p99 target (resnet18_kit/planner/validate_analysis.py within_target): predicted within +-25 % of measured.
 P99_BAND = 0.25
 MiB = 1024 * 1024
 FIGURES = {"pipeline": "pipeline_throughput_vs_p99.png", "tensor": "tensor_throughput_vs_p99.png",
