@@ -76,7 +76,7 @@ def measure_level(server: EmbeddedTritonServer, model: str, load: LoadSpec, leve
                   protocol: str) -> dict:
     """One perf_analyzer level with the server-side statistics of exactly that run."""
     config = server.config
-    url = config.grpc_url if protocol == "grpc" else config.http_url
+    url = config.url(protocol)
     before = model_statistics(config.http_url, model)
     with CpuSampler(config.metrics_url) as cpu:
         row = run_level(model, url, protocol, load, level, out_dir, metrics_url=config.metrics_url)
