@@ -15,7 +15,7 @@
 #                       start a real Prometheus on free ports against an embedded Triton, and check and
 #                       unit-test the alerting rules in deploy/ with promtool. Installed with apt-get when root,
 #                       without recommends (they add node-exporter) and without starting the system service.
-#   kubectl, kubernetes-validate   pinned in requirements.txt ("# Deployment checks"), installed by setup.sh.
+#   kubectl, kubernetes-validate   pinned in constraints.txt ("# Deployment checks"), installed by setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -215,8 +215,8 @@ def test_dockerfile_builds_on_the_release_with_pins_for_its_python():
         assert len({r.name for r in chosen}) == len(chosen), f"Python {python}: a package pinned twice"
         return {r.name: str(r.specifier).removeprefix("==") for r in chosen}
 
-    pins_file = next(p for p in (REPO_ROOT / "constraints.txt", REPO_ROOT / "requirements.txt") if p.is_file())
-    project = {k.lower(): v for k, v in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", pins_file.read_text(), re.M)}
+    constraints = (REPO_ROOT / "constraints.txt").read_text()  # the project's one list of pinned versions
+    project = {k.lower(): v for k, v in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", constraints, re.M)}
     newer, older = pins(IMAGE_PYTHON[DEFAULT_RELEASE]), pins(IMAGE_PYTHON[PARITY_RELEASE])
     assert set(newer) == set(older) == {"numpy", "pillow", "onnxruntime", "openvino", "torch"}
     # Python 3.12 (26.08): the project's own pins. Python 3.10 (24.10): the newest releases with cp310 wheels.
