@@ -43,4 +43,4 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
 else
   echo "setup: $VENV is up to date with constraints.txt and pyproject.toml"
 fi
-scripts/setup_deploy_tools.sh  # deployment-check tools for tests/test_deploy.py (compose parsers; kubectl via constraints.txt)
+scripts/setup_deploy_tools.sh  # deployment-check tools for tests/test_deploy_*.py and tests/test_monitoring_*.py (compose parsers, Prometheus and promtool; kubectl via constraints.txt)
