@@ -1,4 +1,4 @@
-"""Bad input over both protocols, against the real server: a fixed corpus (bench.reliability) and
+"""Bad input over both protocols, against the real server: a fixed corpus (reliability.bad_input) and
 property-based tests (hypothesis). Every bad request gets 400 / INVALID_ARGUMENT with a message naming
 the problem, in bounded time and memory; valid images of odd modes are answered, equal to the transform
 run locally; the server stays ready and correct for the next request.
@@ -16,12 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.reliability import (ANSWERED, INVALID, MiB, MemorySampler, bad_input_corpus, classify_error,
-                               odd_images, send_image)
 from resnet18_kit.client.classifier import protocol_module
-from resnet18_kit.client.urls import PROTOCOLS
 from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.client.urls import PROTOCOLS
 from resnet18_kit.contract import MODEL_REPOSITORY, PREPROCESS_MODEL
+from resnet18_kit.load.outcomes import ANSWERED, INVALID, classify_error
+from resnet18_kit.observe.process_memory import MemorySampler
+from resnet18_kit.reliability.bad_input import bad_input_corpus, encode, odd_images, send_image
+from resnet18_kit.server.embedded import MiB
 
 sys.path.insert(0, str(MODEL_REPOSITORY / PREPROCESS_MODEL / "1"))
 import image_transform  # noqa: E402
@@ -102,11 +104,9 @@ def _outcome(server, protocol: str, data: bytes):
 def _seed_images() -> list[bytes]:
     from PIL import Image
 
-    from resnet18_kit.reliability import _encode
-
     small = Image.open(sample_photos()[0]).convert("RGB").resize((96, 64))
-    return [_encode(small, "PNG"), _encode(small, "JPEG", quality=85), _encode(small.quantize(32), "GIF"),
-            _encode(small, "BMP"), _encode(small, "WEBP"), _encode(small, "TIFF")]
+    return [encode(small, "PNG"), encode(small, "JPEG", quality=85), encode(small.quantize(32), "GIF"),
+            encode(small, "BMP"), encode(small, "WEBP"), encode(small, "TIFF")]
 
 
 SEEDS = _seed_images()

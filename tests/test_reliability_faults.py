@@ -12,8 +12,12 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.reliability import (ANSWERED, ECHO_MODEL, ERROR, REFUSED, echo_load, repository_with, send_crashing_request,
-                               sigterm_in_flight, stub_kill)
+from resnet18_kit.load.outcomes import ANSWERED, ERROR, REFUSED
+from resnet18_kit.reliability import ECHO_MODEL, repository_with
+from resnet18_kit.reliability.crash_request import send_crashing_request
+from resnet18_kit.reliability.loads import echo_load
+from resnet18_kit.reliability.sigterm import sigterm_in_flight, start_serve, wait_ready
+from resnet18_kit.reliability.stub_kill import stub_kill
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 
@@ -145,22 +149,13 @@ def test_sigterm_lets_accepted_requests_finish_refuses_new_ones_and_exits_in_tim
 def test_killing_serve_outright_takes_its_server_down(echo_repository, tmp_path):
     """`serve` SIGKILLed (no chance to stop tritonserver): the server gets SIGTERM from the kernel
     (die_with_parent) and exits instead of holding the ports as an orphan."""
-    import subprocess
-    import sys
+    from resnet18_kit.observe.processes import child_processes, process_alive
 
-    from resnet18_kit.reliability import wait_ready
-    from resnet18_kit.contract import REPO_ROOT
-    from resnet18_kit.server.embedded import _children, process_alive
-
-    config = config_on_free_ports(model_repository=echo_repository)
-    with open(tmp_path / "serve.log", "wb") as log:
-        serve = subprocess.Popen([sys.executable, "-m", "resnet18_kit.server", "--model-repository", str(echo_repository),
-                                  "--http-port", str(config.http_port), "--grpc-port", str(config.grpc_port),
-                                  "--metrics-port", str(config.metrics_port), "--exit-timeout-s", "5"],
-                                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    config = config_on_free_ports(model_repository=echo_repository, exit_timeout_s=5)
+    serve = start_serve(config, tmp_path / "serve.log")
     try:
         wait_ready(config, serve, 120)
-        (server_pid, _), = [(pid, argv) for pid, argv in _children(serve.pid) if "tritonserver" in argv[0]]
+        (server_pid, _), = [(pid, argv) for pid, argv in child_processes(serve.pid) if "tritonserver" in argv[0]]
         serve.kill()
         serve.wait()
         wait_for(lambda: not process_alive(server_pid), timeout_s=30)

@@ -29,13 +29,14 @@ import time
 from pathlib import Path
 
 import tritonclient.grpc.aio as grpcaio
-from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.reliability import (ANSWERED, ERROR, HANG_BOUND_S, LOST, MiB, RESULTS_DIR, Outcome, _infer_input,
-                               _judge, classify_error, cpu_steal_ticks, ensemble_load, percentile,
-                               reference_answers, summarize)
+from resnet18_kit.load.outcomes import ANSWERED, LOST, Outcome, percentile, summarize
+from resnet18_kit.observe.machine import cpu_share, cpu_ticks
 from resnet18_kit.progress import Progress, add_logging_arguments, setup_logging
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.reliability import RESULTS_DIR
+from resnet18_kit.reliability.loads import ensemble_load, infer_input, reference_answers
+from resnet18_kit.reliability.senders import infer_async
+from resnet18_kit.server.embedded import MiB, EmbeddedTritonServer, config_on_free_ports
 
 log = logging.getLogger("resnet18_kit.reliability.soak")
 
@@ -50,7 +51,7 @@ async def closed_loop(url: str, load, concurrency: int, duration_s: float) -> fl
         nonlocal answered
         index = offset
         while time.monotonic() < stop_at:
-            await client.infer(load.model, [_infer_input(grpcaio, load, index)], outputs=output)
+            await client.infer(load.model, [infer_input(grpcaio, load, index)], outputs=output)
             answered += 1
             index += concurrency
 
@@ -70,27 +71,13 @@ async def open_loop(url: str, load, rate_per_s: float, duration_s: float, max_in
     a send). results: the list to append to as outcomes come in (another thread may read it meanwhile)."""
     client = grpcaio.InferenceServerClient(url)
     rng = random.Random(seed)
-    output = [grpcaio.InferRequestedOutput(load.output_name)]
     results = [] if results is None else results
     in_flight = asyncio.Semaphore(max_in_flight)
     delayed = 0
 
     async def one(index: int, sent_at: float):
         try:
-            started = time.perf_counter()
-            try:
-                result = await asyncio.wait_for(
-                    client.infer(load.model, [_infer_input(grpcaio, load, index)], outputs=output,
-                                 request_id=str(index)), HANG_BOUND_S)
-                outcome = _judge(load, index, result, started)
-            except asyncio.TimeoutError:
-                outcome = Outcome(index, LOST, time.perf_counter() - started, message="no outcome (hung)")
-            except InferenceServerException as exc:
-                kind, status, message = classify_error(exc)
-                outcome = Outcome(index, kind, time.perf_counter() - started, status, message)
-            except Exception as exc:
-                outcome = Outcome(index, ERROR, time.perf_counter() - started, None, f"{type(exc).__name__}: {exc}")
-            results.append((sent_at, outcome))
+            results.append((sent_at, await infer_async(client, grpcaio, load, index)))
         finally:
             in_flight.release()
 
@@ -231,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             capacity = asyncio.run(closed_loop(config.grpc_url, load, 32, args.capacity_s))
         rate = capacity * args.load
         log.info("capacity %.1f req/s; sending %.1f req/s for %g min", capacity, rate, args.minutes)
-        steal_before = cpu_steal_ticks()
+        ticks_before = cpu_ticks()
         results: list[tuple[float, Outcome]] = []
         with MemoryLog(server) as memory, \
                 Progress(args.minutes * 60, "s", f"soak: {rate:.1f} req/s", log, log_updates=False) as progress:
@@ -240,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 results, delayed = asyncio.run(open_loop(config.grpc_url, load, rate, args.minutes * 60,
                                                          args.max_in_flight, results=results))
             minutes.finish()
-        steal_after = cpu_steal_ticks()
+        ticks_after = cpu_ticks()
     outcomes = [o for _, o in results]
     summary = summarize(outcomes, len(outcomes))
     failed = len(outcomes) - summary[ANSWERED]
@@ -248,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"capacity_per_s": round(capacity, 2), "load": args.load, "rate_per_s": round(rate, 2),
               "minutes": args.minutes, "summary": summary, "failed": failed, "sends_delayed_by_bound": delayed,
               "per_minute": per_minute(results), "memory": mem, "memory_samples": memory.samples,
-              "cpu_steal_share": round((steal_after[0] - steal_before[0]) / max(1, steal_after[1] - steal_before[1]), 3),
+              "cpu_steal_share": round(cpu_share(ticks_before, ticks_after)["steal"], 3),
               "failures": [o.__dict__ for o in outcomes if o.kind != ANSWERED][:50]}
     (out_dir / "soak.json").write_text(json.dumps(record, indent=1, default=str))
     print(f"\nsoak: {summary['sent']} sent, {summary[ANSWERED]} answered, {failed} failed, {summary[LOST]} lost; "
