@@ -11,7 +11,7 @@ import torch
 
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.client.errors import InvalidInputError
-from resnet18_kit.client.urls import PROTOCOLS
+from resnet18_kit.contract import PROTOCOLS
 from resnet18_kit.contract import PROVENANCE_PATHS, missing_artifacts
 from resnet18_kit.export.resnet18 import model_from_spec
 from resnet18_kit.reliability import RELIABILITY_REPOSITORY

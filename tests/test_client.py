@@ -22,7 +22,7 @@ from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.client.errors import DeadlineExceededError, QueueFullError
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT
-from resnet18_kit.client.urls import PROTOCOLS
+from resnet18_kit.contract import PROTOCOLS
 from resnet18_kit.export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
 from resnet18_kit.server.embedded import free_ports
 

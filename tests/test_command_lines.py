@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from resnet18_kit.client.urls import PROTOCOLS
+from resnet18_kit.contract import PROTOCOLS
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.server.embedded import free_ports
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from resnet18_kit.client.urls import PROTOCOLS
+from resnet18_kit.contract import PROTOCOLS
 from resnet18_kit.load.outcomes import ANSWERED, REFUSED, TIMED_OUT
 from resnet18_kit.reliability.burst import burst
 from resnet18_kit.reliability.loads import onnx_load, reference_answers

@@ -18,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 
 from resnet18_kit.client.classifier import protocol_module
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.client.urls import PROTOCOLS
+from resnet18_kit.contract import PROTOCOLS
 from resnet18_kit.contract import MODEL_REPOSITORY, PREPROCESS_MODEL
 from resnet18_kit.load.outcomes import ANSWERED, INVALID, classify_error
 from resnet18_kit.observe.process_memory import MemorySampler

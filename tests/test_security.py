@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from resnet18_kit.reliability import ECHO_MODEL, repository_with, restricted_api_checks
+from resnet18_kit.reliability import ECHO_MODEL, repository_with
+from resnet18_kit.reliability.restricted_api import restricted_api_checks
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.server.__main__ import InsecureBindError, add_server_arguments, config_from_args
 from resnet18_kit.server.embedded import (ADMIN_KEY_ENV, RESTRICTED_APIS, EmbeddedTritonServer, ServerConfig,

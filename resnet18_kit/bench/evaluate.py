@@ -55,10 +55,10 @@ from typing import Sequence
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.client.classifier import (IMAGE_INPUT, LOGITS_OUTPUT, NUM_CLASSES, PROTOCOLS, TritonClassifierClient,
-                               protocol_module)
+from resnet18_kit.client.classifier import TritonClassifierClient, protocol_module
 from resnet18_kit.client.errors import InferenceError, InvalidInputError, from_triton
-from resnet18_kit.contract import ENSEMBLE_MODEL, MODEL_REPOSITORY, missing_artifacts
+from resnet18_kit.contract import (ENSEMBLE_MODEL, IMAGE_INPUT, LOGITS_OUTPUT, MODEL_REPOSITORY, NUM_CLASSES, PROTOCOLS,
+                                   missing_artifacts)
 from resnet18_kit.export.quantize import agreement, image_files
 from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerStartError, config_on_free_ports
 

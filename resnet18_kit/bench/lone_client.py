@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from resnet18_kit.bench import inprocess
-from resnet18_kit.observe.model_config import DEFAULT_VARIANT, config_parameters, variant_config, variant_exists
+from resnet18_kit.observe.model_config import config_parameters, variant_config
 from resnet18_kit.client.classifier import TritonClassifierClient
-from resnet18_kit.contract import results_dir, ONNX_MODEL, ONNX_PATH, REPO_ROOT, missing_artifacts, runtimes
+from resnet18_kit.contract import (DEFAULT_VARIANT, ONNX_MODEL, ONNX_PATH, missing_artifacts, results_dir, runtimes,
+                                   variant_exists)
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 #: A request slower than this is a stall (the lost wake-up sleeps 500 ms; a batch-1 execution takes ~12 ms).

@@ -27,11 +27,12 @@ from pathlib import Path
 
 from resnet18_kit.load.perf_analyzer import LoadSpec, run_level
 from resnet18_kit.load.photos import PHOTO_SETS, photo_set, write_input_data
-from resnet18_kit.observe.model_config import DEFAULT_VARIANT, served_config, variant_exists
+from resnet18_kit.observe.model_config import served_config
 from resnet18_kit.bench.pipeline_inprocess import PipelineTwin, mean_of
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
 from resnet18_kit.client.classifier import TritonClassifierClient
-from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, results_dir
+from resnet18_kit.contract import (DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, results_dir,
+                                   variant_exists)
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 #: The ensemble's steps, in order: where a request's time goes on the server.

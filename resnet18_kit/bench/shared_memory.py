@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from resnet18_kit.client.classifier import PROTOCOLS, TritonClassifierClient
-from resnet18_kit.contract import ONNX_MODEL, results_dir
+from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.contract import ONNX_MODEL, PROTOCOLS, results_dir
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 

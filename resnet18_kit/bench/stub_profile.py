@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 from resnet18_kit.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
-from resnet18_kit.contract import results_dir, REPO_ROOT
+from resnet18_kit.contract import results_dir
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 #: Frames that are the model itself, not the Python around it.

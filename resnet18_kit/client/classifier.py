@@ -42,9 +42,10 @@ from resnet18_kit.client.backoff import Deadline, RetryPolicy
 from resnet18_kit.client.errors import (DeadlineExceededError, InferenceError, QueueFullError, ServerUnavailableError,
                            from_triton)
 from resnet18_kit.client.shared_memory import TensorRegions
-from resnet18_kit.client.urls import DEFAULT_URLS, PROTOCOLS, host_port  # noqa: F401 (re-exported for the CLIs)
-from resnet18_kit.contract import (ENSEMBLE_MODEL, FP32_BYTES, IMAGE_INPUT, IMAGE_SHAPE,  # noqa: F401 (re-exported)
-                                   LOGITS_OUTPUT, NUM_CLASSES, ONNX_MODEL, PROBABILITIES_OUTPUT, TENSOR_INPUT)
+from resnet18_kit.client.urls import host_port
+from resnet18_kit.contract import (DEFAULT_URLS, ENSEMBLE_MODEL, FP32_BYTES, IMAGE_INPUT, IMAGE_SHAPE,  # noqa: F401 (re-exported)
+                                   LOGITS_OUTPUT, NUM_CLASSES, ONNX_MODEL, PROBABILITIES_OUTPUT, PROTOCOLS,
+                                   TENSOR_INPUT)
 #: Right after an inference Triton may still hold a region and refuse to unregister it ("currently in
 #: use"); close() retries up to UNREGISTER_TRIES times, UNREGISTER_WAIT_S apart (1 s in all).
 UNREGISTER_TRIES = 20

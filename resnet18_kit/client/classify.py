@@ -27,7 +27,8 @@ from typing import Iterable, Iterator
 from tqdm import tqdm
 
 from resnet18_kit.client.backoff import RetryPolicy
-from resnet18_kit.client.classifier import DEFAULT_URLS, PROTOCOLS, Prediction, TritonClassifierClient
+from resnet18_kit.client.classifier import Prediction, TritonClassifierClient
+from resnet18_kit.contract import DEFAULT_URLS, PROTOCOLS
 from resnet18_kit.client.errors import InferenceError
 from resnet18_kit.contract import ENSEMBLE_MODEL
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import urllib.parse
 
-from resnet18_kit.contract import DEFAULT_URLS, PROTOCOLS  # noqa: F401 (the clients' defaults)
+from resnet18_kit.contract import DEFAULT_URLS
 
 
 def host_port(url: str, protocol: str) -> str:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from resnet18_kit.contract import (DEFAULT_VARIANT, MODEL_REPOSITORY, config_path,  # noqa: F401 (one place: the contract)
-                                   variant_exists, variant_names)
+from resnet18_kit.contract import DEFAULT_VARIANT, MODEL_REPOSITORY, config_path, variant_names
 
 #: Triton's default instance count per group on the CPU for the backends that opt into it
 #: (SetDefaultInstanceCount in core src/model_config_utils.cc, r24.10); every other case gets 1.

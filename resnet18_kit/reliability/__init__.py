@@ -36,8 +36,7 @@ RELIABILITY_REPOSITORY = Path(__file__).parent / "model_repository"
 ECHO_MODEL = "reliability_echo"        # model_repository/ here: y = x after 200 ms, queue of 8
 TIMEOUT_MODEL = "reliability_timeout"  # model_repository/ here: 200 ms per request, 2 s queue timeout
 RESULTS_DIR = results_dir("reliability")
-__all__ = ["RELIABILITY_REPOSITORY", "ECHO_MODEL", "TIMEOUT_MODEL", "RESULTS_DIR", "repository_with",
-           "restricted_api_checks"]
+__all__ = ["RELIABILITY_REPOSITORY", "ECHO_MODEL", "TIMEOUT_MODEL", "RESULTS_DIR", "repository_with"]
 
 
 def repository_with(models: list[str], target: Path) -> Path:
@@ -51,6 +50,3 @@ def repository_with(models: list[str], target: Path) -> Path:
         (target / model).symlink_to(source)
     return target
 
-
-# tests/test_security.py imports it from here; restricted_api is its home.
-from resnet18_kit.reliability.restricted_api import restricted_api_checks  # noqa: E402
