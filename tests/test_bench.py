@@ -155,7 +155,7 @@ def test_periodic_sampler_samples_at_the_interval_and_at_the_edges_and_drops_non
     assert inner.calls == 0 and inner.samples == []  # no interval elapsed, no edges asked for
 
 
-# --- the end-to-end pipeline: encoded photos through the `resnet18` ensemble (bench/pipeline.py) ---
+# --- the end-to-end pipeline: encoded photos through the `resnet18` ensemble (resnet18_kit/bench/pipeline.py) ---
 
 
 def test_bytes_input_data_holds_each_photo_as_a_length_prefixed_serialized_tensor(tmp_path):
@@ -323,7 +323,7 @@ def test_pipeline_report_and_targets_from_a_summary(tmp_path):
 
 
 def _tensor_config(name: str, max_batch_size: int, levels: tuple[int, ...]) -> dict:
-    """A config of summary.json's "configs" (bench/__main__.py run_config): per level perf_analyzer's
+    """A config of summary.json's "configs" (resnet18_kit/bench/__main__.py run_config): per level perf_analyzer's
     breakdown (us), throughput rising with the level, the batch sizes the server formed."""
     rows = []
     for level in levels:

@@ -56,7 +56,7 @@ def write_bench(folder: Path, pipeline: bool = True, configs: bool = False) -> P
 
 
 def validation_row(config: str, fraction: float, measured_p99_ms: float, predicted_p99_ms: float) -> dict:
-    """One row of validation.json after add_predictions (planner/validate_analysis.py)."""
+    """One row of validation.json after add_predictions (resnet18_kit/planner/validate_analysis.py)."""
     predicted = {"offered_rps": 10.0, "throughput_rps": 10.0, "p50_ms": predicted_p99_ms / 2, "p90_ms": 1.0,
                  "p95_ms": 1.0, "p99_ms": predicted_p99_ms, "utilization": fraction, "average_batch": 2.0,
                  "refused": 0, "timed_out": 0, "stalls": 0, "speed_utilization": 0.7, "speed_factor": 1.1,

@@ -153,7 +153,7 @@ def test_lost_wakeup_model_holds_the_queue_until_the_next_arrival_or_500_ms():
     assert stalled.stalls == 3
 
 
-# -- speed under load (planner/speed.py) -------------------------------------------------------------------
+# -- speed under load (resnet18_kit/planner/speed.py) -------------------------------------------------------------------
 
 def test_window_factors_divide_each_windows_mean_execution_by_the_baseline():
     # cumulative (executions, compute ns): 10 x 20 ms, then 10 x 30 ms, then 2 executions (too few), then 5 x 40 ms

@@ -39,7 +39,7 @@ def test_unknown_model_is_an_error_not_a_crash(client):
     assert client.is_server_ready()
 
 
-# -- tritonserver's log on a console (server/server_log.py), no server needed ----------------------------
+# -- tritonserver's log on a console (resnet18_kit/server/server_log.py), no server needed ----------------------------
 
 #: Lines tritonserver 2.51 logs at start on a machine without a GPU (from a real log), with other lines.
 CPU_ONLY_START = [

@@ -14,7 +14,7 @@ server really loaded is read back and recorded. Per config:
     the server's CPU utilization sampled from the metrics endpoint.
 Then the batching-layer ceiling: the trivial `identity` model through the same server and batcher.
 
-Then the main job end to end (bench/pipeline.py; --skip-pipeline leaves it out, --skip-tensor-sweeps runs
+Then the main job end to end (resnet18_kit/bench/pipeline.py; --skip-pipeline leaves it out, --skip-tensor-sweeps runs
 only it): encoded photos (the sample photos, and the same as 12-megapixel JPEGs) as real BYTES requests
 through the `resnet18` ensemble (preprocess -> resnet18_onnx), per config variant (--pipeline-variants;
 default: "default" and "int8" when configs/int8.pbtxt exists), photo set, protocol and concurrency, with
@@ -132,7 +132,7 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: Progress) -
         single = inprocess.measure("onnxruntime", sorted({1, record["max_batch_size"]}), duration_s=args.inprocess_s)
         parallel = inprocess.measure_parallel(record["max_batch_size"], duration_s=args.inprocess_s)
         record["inprocess"] = [asdict(r) for r in single] + [asdict(parallel)]
-        # The ceiling: the better in-process arrangement at the config's max batch (see bench/inprocess.py),
+        # The ceiling: the better in-process arrangement at the config's max batch (see resnet18_kit/bench/inprocess.py),
         # measured again right after the concurrency sweep (below): the efficiency divides by the mean of
         # the two, so a drift of the shared VM's speed during the sweep does not land on one side only.
         best_arrangement = "parallel" if parallel.throughput > single[-1].throughput else "single"
@@ -191,7 +191,7 @@ def run_identity(run_dir: Path, args, progress: Progress) -> dict:
                         measurement_ms=args.measurement_ms, async_mode=True,
                         fallback_request_count=int(7000 * 3 * args.measurement_ms / 1000))
         # Time windows even in --quick: perf_analyzer 2.51 --async with a fixed --request-count at
-        # concurrency 128+ sometimes never exits (bench/perf_analyzer.py, HANG_S).
+        # concurrency 128+ sometimes never exits (resnet18_kit/load/perf_analyzer.py, HANG_S).
         rows = []
         for level in load.levels:
             progress.set_description(f"identity: concurrency {level:g}")
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "machine": machine,
         "perf_analyzer": {"protocol": args.protocol, "shared_memory": args.shared_memory,
                           "measurement_ms": args.measurement_ms},
-        "configs": [], "inprocess": [],  # "identity" only when measured (planner/measure.py reads it)
+        "configs": [], "inprocess": [],  # "identity" only when measured (resnet18_kit/planner/measure.py reads it)
         **parts,
         "targets": evaluate_targets(configs, identity, machine["cores"]) if names else [],
     }

@@ -50,7 +50,7 @@ def _add_arrival_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balancer", choices=BALANCERS, default="round_robin")
 
 
-STATIC_SPEED_HELP = ("ignore the profile's speed under load (planner/speed.py): execution times exactly as "
+STATIC_SPEED_HELP = ("ignore the profile's speed under load (resnet18_kit/planner/speed.py): execution times exactly as "
                      "in the closed-loop table")
 
 
@@ -84,7 +84,7 @@ def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path,
               f"Predicted: {d['devices']:,} devices x {best.instances} instance(s); per device "
               f"{d['throughput_rps_per_device']:,.1f} infer/s, p50 {d['p50_ms']:.1f} ms, p99 {d['p99_ms']:.1f} ms, "
               f"busy {d['busy_fraction']:.0%}, average batch {d['average_batch']:.1f}.\n"
-              + ("max_queue_size = requests one device serves within the budget (planner/search.py)."
+              + ("max_queue_size = requests one device serves within the budget (resnet18_kit/planner/search.py)."
                  if best.batcher.queue.max_queue_size else
                  "No queue policy: Triton prefetches payloads (no lost wake-up, no queue bound)."))
     return write_config(config, path, header)
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", type=Path, default=DEFAULT_OUT / command,
                        help=f"results folder (default results/planner/{command})")
         p.add_argument("--no-speed", action="store_true",
-                       help="skip the speed-under-load runs (planner/speed.py; about 2 minutes per instance count)")
+                       help="skip the speed-under-load runs (resnet18_kit/planner/speed.py; about 2 minutes per instance count)")
         add_logging_arguments(p)
         if command == "profile":
             p.add_argument("--source-repository", default=str(MODEL_REPOSITORY),

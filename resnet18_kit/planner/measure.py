@@ -14,11 +14,11 @@ How, and why this way rather than from the per-batch-size statistics of a loaded
   * the standard deviation of a batch's time is that of the gaps between consecutive responses
     (profile export) with one instance; with n > 1 it is the one-instance coefficient of variation
     times the mean (stated in the profile's source);
-  * each measurement waits for other processes to leave the cores (planner/cpu.py) and is done again,
+  * each measurement waits for other processes to leave the cores (resnet18_kit/planner/cpu.py) and is done again,
     up to 3 times, when they took more than 15% of them meanwhile (the shares are kept in the profile);
   * the fixed per-request overhead is the median latency of lone batch-1 requests (concurrency 1)
     minus the batch-1 execution time: client, protocol and server front end;
-  * the speed under load (planner/speed.py): batch-1 requests open loop (Poisson) for SPEED_SECONDS
+  * the speed under load (resnet18_kit/planner/speed.py): batch-1 requests open loop (Poisson) for SPEED_SECONDS
     at each of SPEED_UTILIZATIONS of the batch-1 capacity, between closed-loop runs (every instance
     busy) of SPEED_CLOSED_SECONDS, the statistics extension polled every SPEED_WINDOW_S; each window's
     mean compute_infer per execution over the closed-loop runs' mean is one factor (`measure_speed`).
@@ -253,7 +253,7 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
         model=model, timings=timings, overhead_us=overhead_us, server_ceiling_rps=server_ceiling_rps,
         device=f"{machine['cpu']} ({machine['cores']} cores), {machine['gpu'] or 'no GPU'}",
         source=("perf_analyzer -b B at concurrency 2 x instances against a no-batcher copy of the config "
-                "(planner/measure.py); exec = instances x B / throughput; std from response gaps "
+                "(resnet18_kit/planner/measure.py); exec = instances x B / throughput; std from response gaps "
                 f"(1 instance; others: CV {cv:.3f} x mean); overhead = lone batch-1 p50 - exec(1)"),
         measured_utc=started.isoformat(timespec="seconds"), extra=details, speed=speed)
     return profile

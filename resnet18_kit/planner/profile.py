@@ -15,7 +15,7 @@ File format (`PROFILE_FORMAT`):
      "instances": {"1": {"1": {"mean_ms": 22.1, "std_ms": 1.9, "executions": 40}, "8": {...}}},
      "speed_under_load": {"1": [{"utilization": 0.25, "window_s": 1.0, "factors": [1.12, 1.31, ...]}, ...]}}
 
-"speed_under_load" is optional (planner/speed.py): how the execution time moves with the load served.
+"speed_under_load" is optional (resnet18_kit/planner/speed.py): how the execution time moves with the load served.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class Profile:
         server front end), microseconds; added to every simulated latency.
     server_ceiling_rps: requests/s one server (one replica) can take in through its protocol stack and
         batcher whatever the model, 0 = unknown/unbounded (measured with a trivial model).
-    speed: {instances: SpeedTrace per measured utilization, ascending} (planner/speed.py); empty = the
+    speed: {instances: SpeedTrace per measured utilization, ascending} (resnet18_kit/planner/speed.py); empty = the
         execution time does not depend on the load (the table is used as is).
     """
 

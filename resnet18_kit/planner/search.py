@@ -63,7 +63,7 @@ class SearchSpace:
         wake-up in Triton 2.51, see docs/capacity.md).
     lost_wakeup: Triton 2.51's lost wake-up, modelled when given (planner.simulator.LostWakeup).
     speed_under_load: scale execution times by the profile's speed trace for each candidate's load
-        (planner/speed.py) when the profile has one.
+        (resnet18_kit/planner/speed.py) when the profile has one.
     """
 
     instances: tuple[int, ...] | None = None
@@ -133,7 +133,7 @@ def device_capacity_rps(profile: Profile, batcher: BatcherConfig, instances: int
 
 
 def speed_for(profile: Profile, batcher: BatcherConfig, instances: int, offered_rps: float) -> SpeedTrace | None:
-    """The profile's speed trace (planner/speed.py) measured nearest to this load: offered requests/s
+    """The profile's speed trace (resnet18_kit/planner/speed.py) measured nearest to this load: offered requests/s
     over the device's capacity with this config; None when the profile has none."""
     return profile.speed_trace(instances, offered_rps / device_capacity_rps(profile, batcher, instances))
 

@@ -16,8 +16,8 @@ What happens, in simulated time:
     requests anywhere in the queue (Triton's WaitForPayloadSlotAvailable);
   * an execution of a batch of b takes the profile's time for b with this instance count (a gamma draw
     with the measured mean and standard deviation, or the mean when `exec_noise` is False), times the
-    speed factor of the moment when a `speed` trace is given (planner/speed.py: how the execution time
-    moves with the load served, measured; `speed_for` in planner/search.py picks the trace for a load).
+    speed factor of the moment when a `speed` trace is given (resnet18_kit/planner/speed.py: how the execution time
+    moves with the load served, measured; `speed_for` in resnet18_kit/planner/search.py picks the trace for a load).
 
 Optional, off by default and always reported: `lost_wakeup`, a model of Triton 2.51's lost wake-up
 (see LostWakeup), so the documented algorithm and the server's known deviation stay separable.
@@ -54,7 +54,7 @@ class LostWakeup:
     Modelled as: when an execution ends with requests waiting, with `probability` the batcher misses
     it and forms nothing until the next arrival, the next completion, or `idle_wait_s` later.
     The probability is measured from Triton's request trace (missed_wakeups in
-    planner/validate_analysis.py), never fitted to the level it predicts."""
+    resnet18_kit/planner/validate_analysis.py), never fitted to the level it predicts."""
 
     probability: float
     idle_wait_s: float = BATCHER_IDLE_WAIT_S

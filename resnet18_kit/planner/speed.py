@@ -8,7 +8,7 @@ A static table of execution times cannot express either. (Likely cause: a vCPU t
 physical core to other tenants; a two-thread execution waits at every operator for the slower thread.
 GPUs have their own version: clocks that drop when idle.)
 
-The fix is measured, never fitted to a level being predicted: `planner/measure.py` runs batch-1 requests
+The fix is measured, never fitted to a level being predicted: `resnet18_kit/planner/measure.py` runs batch-1 requests
 open loop (Poisson) at a few fractions of capacity, between closed-loop runs (100%), polling the
 server's statistics extension every `window_s`; each window's mean execution time (compute_infer per
 execution) divided by the mean of the closed-loop runs just before and after is one factor. A

@@ -9,9 +9,9 @@ so a slow response never holds the next request back). Recorded per level:
     could not keep the rate, the statistics extension's delta (batches formed, mean queue time);
   * from the trace: every request's queue time, and for each the part of it spent while no execution
     was running (the instance idle with requests waiting: the documented batcher never does that
-    longer than max_queue_delay); planner/validate_analysis.py reads it.
+    longer than max_queue_delay); resnet18_kit/planner/validate_analysis.py reads it.
 The predictions (`simulate` with Poisson arrivals at the level's rate, and again on the exact send
-times perf_analyzer used) and the tables are planner/validate_analysis.py's.
+times perf_analyzer used) and the tables are resnet18_kit/planner/validate_analysis.py's.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Validation analysis: Triton's request trace, the simulation's predictions of each level, the tables.
 
-planner/validate.py measures the levels (perf_analyzer against the embedded tritonserver, Triton's
+resnet18_kit/planner/validate.py measures the levels (perf_analyzer against the embedded tritonserver, Triton's
 trace on); this module reads what they left and predicts each level with the model:
   * from the trace (`read_traces`, `split_levels`, `trace_summary`): every request's queue time, and for
     each the part of it spent while no execution was running (the instance idle with requests waiting:
@@ -200,7 +200,7 @@ def speed_factor(trace: dict, profile: Profile, instances: int) -> float | None:
 
 def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
     """Predict every measured level (module doc) with the model: the documented batcher rules, the
-    profile's speed under load (planner/speed.py) and, for a config with a queue policy (no payload
+    profile's speed under load (resnet18_kit/planner/speed.py) and, for a config with a queue policy (no payload
     prefetching), Triton 2.51's lost wake-up at the probability measured on the traces of the config's
     OTHER levels (leave-one-out: a level's own trace never feeds its prediction; other configs' traces
     only when it has no other level). "predicted": Poisson at the level's rate, steady state;
