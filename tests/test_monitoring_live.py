@@ -43,8 +43,8 @@ OVERLOAD_ALERT = "TritonModelQueueNearlyFull"
 TEST_FOR_S = 3
 #: Labels the Prometheus Operator would add to the scraped series; the adapter maps them to the pod.
 POD_LABELS = {"namespace": "triton-test", "pod": "triton-0"}
-FLOOD_CLIENTS = 16
-REFUSED_RETRY_S = 0.1
+FLOOD_CLIENTS = 32
+REFUSED_RETRY_S = 0.05
 #: The window Grafana's $__rate_interval stands for here (several 1 s scrapes).
 RATE_INTERVAL = "10s"
 RATE_INTERVAL_S = 10
