@@ -17,24 +17,27 @@ import os
 import sys
 from pathlib import Path
 
-#: console script -> (module whose main(argv) runs it, whether that main has its own --model-repository)
+#: console script -> (module whose main(argv) runs it, whether that main has its own --model-repository,
+#: the extra of pyproject.toml that installs what it imports)
 COMMANDS = {
-    "resnet18-serve": ("resnet18_kit.server.__main__", True),
-    "resnet18-demo": ("resnet18_kit.demo", True),
-    "resnet18-export": ("resnet18_kit.export.__main__", False),
-    "resnet18-classify": ("resnet18_kit.client.classify", False),
-    "resnet18-async-pipeline": ("resnet18_kit.client.async_pipeline", False),
-    "resnet18-bench": ("resnet18_kit.bench.__main__", False),
-    "resnet18-evaluate": ("resnet18_kit.bench.evaluate", False),
-    "resnet18-figures": ("resnet18_kit.bench.figures", False),
-    "resnet18-lone-client": ("resnet18_kit.bench.lone_client", False),
-    "resnet18-runtimes": ("resnet18_kit.bench.runtimes", False),
-    "resnet18-shared-memory": ("resnet18_kit.bench.shared_memory", False),
-    "resnet18-stub-profile": ("resnet18_kit.bench.stub_profile", False),
-    "resnet18-reliability": ("resnet18_kit.reliability.__main__", False),
-    "resnet18-soak": ("resnet18_kit.reliability.soak", False),
-    "resnet18-plan": ("resnet18_kit.planner.__main__", False),
+    "resnet18-serve": ("resnet18_kit.server.__main__", True, "serve"),
+    "resnet18-demo": ("resnet18_kit.demo", True, "serve"),
+    "resnet18-export": ("resnet18_kit.export.__main__", False, "export"),
+    "resnet18-classify": ("resnet18_kit.client.classify", False, "client"),
+    "resnet18-async-pipeline": ("resnet18_kit.client.async_pipeline", False, "client"),
+    "resnet18-bench": ("resnet18_kit.bench.__main__", False, "bench"),
+    "resnet18-evaluate": ("resnet18_kit.bench.evaluate", False, "bench"),
+    "resnet18-figures": ("resnet18_kit.bench.figures", False, "bench"),
+    "resnet18-lone-client": ("resnet18_kit.bench.lone_client", False, "bench"),
+    "resnet18-runtimes": ("resnet18_kit.bench.runtimes", False, "bench"),
+    "resnet18-shared-memory": ("resnet18_kit.bench.shared_memory", False, "bench"),
+    "resnet18-stub-profile": ("resnet18_kit.bench.stub_profile", False, "bench"),
+    "resnet18-reliability": ("resnet18_kit.reliability.__main__", False, "bench"),
+    "resnet18-soak": ("resnet18_kit.reliability.soak", False, "bench"),
+    "resnet18-plan": ("resnet18_kit.planner.__main__", False, "bench"),
 }
+#: The distribution whose extras install the commands' dependencies.
+DISTRIBUTION = "triton-resnet18-kit"
 #: The environment variables of resnet18_kit/contract.py (written out here so that setting them does not
 #: import the contract before they are set).
 FOLDER_ENV = {"model_repository": "RESNET18_KIT_MODEL_REPOSITORY", "results": "RESNET18_KIT_RESULTS"}
@@ -43,8 +46,9 @@ FOLDER_ENV = {"model_repository": "RESNET18_KIT_MODEL_REPOSITORY", "results": "R
 def run(script: str, argv: list[str] | None = None) -> int:
     """Run console script `script` (a key of COMMANDS) with `argv` (default sys.argv[1:]): take the folder
     options out, export them, then call the command's main. A folder that does not exist for
-    --model-repository is one line on stderr and exit status 2."""
-    module_name, own_repository_option = COMMANDS[script]
+    --model-repository, or a library the command needs that is not installed (its extra was not), is one
+    line on stderr and exit status 2."""
+    module_name, own_repository_option, extra = COMMANDS[script]
     argv = list(sys.argv[1:] if argv is None else argv)
     folders = argparse.ArgumentParser(add_help=False)
     folders.add_argument("--model-repository", type=Path)
@@ -60,7 +64,15 @@ def run(script: str, argv: list[str] | None = None) -> int:
     if known.results is not None:
         os.environ[FOLDER_ENV["results"]] = str(known.results.resolve())
     sys.argv[0] = script
-    status = importlib.import_module(module_name).main(rest)
+    try:
+        command = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] == "resnet18_kit":
+            raise
+        print(f"{script}: needs the '{extra}' extra (no module {exc.name!r}): "
+              f"pip install '{DISTRIBUTION}[{extra}]' -c constraints.txt", file=sys.stderr)
+        return 2
+    status = command.main(rest)
     return 0 if status is None else int(status)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from resnet18_kit.cli import COMMANDS, FOLDER_ENV
+from resnet18_kit.cli import COMMANDS, FOLDER_ENV, run
 from resnet18_kit.contract import MODEL_REPOSITORY_ENV, REPO_ROOT, RESULTS_ENV
 from resnet18_kit.server.embedded import free_ports
 
@@ -131,6 +131,17 @@ def test_a_bad_folder_option_is_one_line(tmp_path, args, message):
     result = run_script("resnet18-export", *args, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip().endswith(message), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_command_whose_extra_is_missing_says_which_to_install(tmp_path, monkeypatch, capsys):
+    """A library a command imports that is not installed is one line naming the extra, exit status 2."""
+    (tmp_path / "needs_a_missing_library.py").write_text("import no_such_library_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(COMMANDS, "resnet18-fake", ("needs_a_missing_library", False, "bench"))
+    assert run("resnet18-fake", []) == 2
+    message = capsys.readouterr().err
+    assert message.startswith("resnet18-fake: needs the 'bench' extra (no module 'no_such_library_here')")
+    assert "pip install 'triton-resnet18-kit[bench]'" in message
 
 
 def test_the_results_option_moves_the_results_folder(tmp_path):

@@ -18,6 +18,7 @@ import itertools
 import random
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from resnet18_kit.client.async_client import AsyncTritonClassifierClient
 from resnet18_kit.contract import DEFAULT_URLS, PROTOCOLS
 from resnet18_kit.client.errors import InferenceError
 from resnet18_kit.observe.metrics import average_batch_size, model_counters
-from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.client.samples import expand_paths, sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
 
 BATCHED_MODELS = (PREPROCESS_MODEL, ONNX_MODEL)
@@ -75,7 +76,9 @@ def percentiles_ms(latencies_s: list[float]) -> dict[str, float]:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    images = [p.read_bytes() for p in sample_photos()]
+    images = [p.read_bytes() for p in (expand_paths(args.paths) if args.paths else sample_photos())]
+    if not images:
+        raise FileNotFoundError(f"no image files in {' '.join(map(str, args.paths))}")
     retry = RetryPolicy(deadline_s=args.deadline_s)
     async with AsyncTritonClassifierClient(args.url, args.protocol, retry=retry) as client:
         if not await client.is_model_ready(ENSEMBLE_MODEL):
@@ -106,6 +109,8 @@ async def main_async(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m resnet18_kit.client.async_pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="*", type=Path,
+                        help="image files or folders to send, cycled (default: the sample photos of scikit-image)")
     parser.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
     parser.add_argument("--url", help="host:port (default 127.0.0.1:8001 for grpc, :8000 for http)")
     parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
@@ -123,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(main_async(args))
     except InferenceError as exc:
         print(f"async_pipeline: {args.protocol} server at {args.url}: {exc.message}", file=sys.stderr)
+    except FileNotFoundError as exc:  # the images
+        print(f"async_pipeline: {exc}", file=sys.stderr)
     except OSError as exc:  # the metrics endpoint (urllib.error.URLError is an OSError)
         print(f"async_pipeline: cannot read the metrics at {args.metrics_url}: {exc}", file=sys.stderr)
     except ValueError as exc:  # client.urls.host_port

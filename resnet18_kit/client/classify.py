@@ -22,7 +22,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -30,21 +30,8 @@ from resnet18_kit.client.backoff import RetryPolicy
 from resnet18_kit.client.classifier import Prediction, TritonClassifierClient
 from resnet18_kit.contract import DEFAULT_URLS, PROTOCOLS
 from resnet18_kit.client.errors import InferenceError
+from resnet18_kit.client.samples import expand_paths
 from resnet18_kit.contract import ENSEMBLE_MODEL
-
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
-
-
-def expand_paths(paths: Iterable[Path]) -> list[Path]:
-    """Files as given; folders replaced by the image files under them (recursively, sorted)."""
-    files: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES))
-        else:
-            files.append(path)
-    return files
-
 
 def classify_files(files: list[Path], url: str, protocol: str, top_k: int = 5, concurrency: int = 4,
                    model: str = ENSEMBLE_MODEL, deadline_s: float = 60.0, progress: bool = False,

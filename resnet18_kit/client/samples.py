@@ -1,7 +1,9 @@
-"""Real sample photographs that ship inside the scikit-image wheel (usable offline)."""
+"""Images to send: real sample photographs that ship inside the scikit-image wheel (usable offline), and
+the image files of folders a user names."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 #: Photos of everyday ImageNet-like subjects, in skimage/data/.
 SAMPLE_PHOTO_NAMES = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg", "motorcycle_left.png")
@@ -21,3 +23,18 @@ def sample_photos(names: tuple[str, ...] = SAMPLE_PHOTO_NAMES) -> list[Path]:
         raise FileNotFoundError("scikit-image is not installed; it carries the sample photos (make setup)")
     data = Path(spec.origin).parent / "data"
     return [data / name for name in names]
+
+
+#: Image files taken from a folder (Pillow decodes all of them).
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
+
+
+def expand_paths(paths: Iterable[Path]) -> list[Path]:
+    """Files as given; folders replaced by the image files under them (recursively, sorted)."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()))
+        else:
+            files.append(path)
+    return files

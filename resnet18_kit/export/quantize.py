@@ -21,11 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from resnet18_kit.client.samples import IMAGE_SUFFIXES, expand_paths
 from resnet18_kit.contract import image_transform, runtimes
-
-#: Image files accepted in a calibration or evaluation folder (Pillow decodes all of them).
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm")
-
 
 def image_files(directory: Path) -> list[Path]:
     """Every image file under `directory` (recursively), sorted. Raises FileNotFoundError when there is
@@ -33,9 +30,9 @@ def image_files(directory: Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"not a folder: {directory}")
-    files = sorted(p for p in directory.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    files = expand_paths([directory])
     if not files:
-        raise FileNotFoundError(f"no image files ({', '.join(IMAGE_SUFFIXES)}) under {directory}")
+        raise FileNotFoundError(f"no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) under {directory}")
     return files
 
 
