@@ -20,7 +20,8 @@ def sample_photos(names: tuple[str, ...] = SAMPLE_PHOTO_NAMES) -> list[Path]:
 
     spec = importlib.util.find_spec("skimage")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("scikit-image is not installed; it carries the sample photos (make setup)")
+        raise FileNotFoundError("no sample photos: scikit-image, which carries them, is not installed "
+                                "(make setup, or pip install scikit-image); or name image files")
     data = Path(spec.origin).parent / "data"
     return [data / name for name in names]
 
