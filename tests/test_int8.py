@@ -91,8 +91,8 @@ def test_export_refuses_a_missing_or_empty_calibration_folder_in_one_line(tmp_pa
     assert export_main(["--calibration-dir", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"export: --calibration-dir: not a folder: {tmp_path / 'missing'}",
-                     f"export: --calibration-dir: no image files (.jpg, .jpeg, .png, .bmp, .gif, .tif, .tiff, "
-                     f".webp, .ppm) under {tmp_path}"]
+                     f"export: --calibration-dir: no image files (.bmp, .gif, .jpeg, .jpg, .png, .ppm, .tif, "
+                     f".tiff, .webp) under {tmp_path}"]
 
 
 def test_export_refuses_a_corrupt_calibration_image_before_writing_anything(tmp_path, capsys):
