@@ -1,4 +1,4 @@
-"""Progress with an ETA and log set-up for the long-running commands (python -m resnet18_kit.bench, bench.soak,
+"""Progress with an ETA and log set-up for the long-running commands (python -m resnet18_kit.bench, reliability.soak,
 planner validate / profile).
 
 `Progress` counts units of work done of a known total (perf_analyzer runs, load levels, seconds). On a

@@ -105,7 +105,7 @@ def newest_bench_folder(results: Path, part: str) -> Path:
 
 
 def soak_file(folder: Path) -> Path:
-    """soak.json in `folder`, or the newest `folder`/soak-*/soak.json (bench.soak writes soak-<time>/)."""
+    """soak.json in `folder`, or the newest `folder`/soak-*/soak.json (reliability.soak writes soak-<time>/)."""
     if folder.is_file():
         return folder
     if (folder / "soak.json").is_file():

@@ -49,7 +49,7 @@ def ensure_exported() -> None:
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of the server itself (addresses, ports, config, shutdown), shared with server.demo."""
+    """The options of the server itself (addresses, ports, config, shutdown), shared with the demo (resnet18_kit.demo)."""
     defaults = ServerConfig()
     parser.add_argument("--host", default=defaults.host,
                         help="address to listen on (default 127.0.0.1: this machine only; any other "
