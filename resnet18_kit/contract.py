@@ -181,6 +181,12 @@ def variant_names(model: str, repository: Path | None = None) -> list[str]:
     return sorted({DEFAULT_VARIANT, *(path.stem for path in (root / model / "configs").glob("*.pbtxt"))})
 
 
+def repository_variant_names(repository: Path | None = None) -> list[str]:
+    """"default" and every name some model of `repository` has a configs/<name>.pbtxt for, sorted."""
+    root = MODEL_REPOSITORY if repository is None else repository
+    return sorted({DEFAULT_VARIANT, *(path.stem for path in root.glob("*/configs/*.pbtxt"))})
+
+
 def variant_exists(variant: str, repository: Path | None = None) -> bool:
     """True for "default" and for a name some model has a configs/<variant>.pbtxt for."""
     root = MODEL_REPOSITORY if repository is None else repository

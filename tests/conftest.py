@@ -4,6 +4,8 @@ this file or each other."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,31 @@ from resnet18_kit.client.errors import InvalidInputError
 from resnet18_kit.contract import PROTOCOLS
 from resnet18_kit.contract import PROVENANCE_PATHS, missing_artifacts
 from resnet18_kit.export.resnet18 import model_from_spec
+from resnet18_kit.observe.processes import child_processes
 from resnet18_kit.reliability import RELIABILITY_REPOSITORY
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.resources import python_backend_regions
 
 #: Test-only models (e.g. resnet18_slow_stub), served beside the product's model repository.
 TEST_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """Fails the run when the suite leaves Python-backend shared-memory regions in /dev/shm that were not
+    there before it, or a tritonserver / stub process of its own (set up first, so checked last)."""
+    before = set(python_backend_regions())
+    yield
+    deadline = time.monotonic() + 10  # a server SIGTERMed by its parent's death may still be draining
+    while True:
+        regions = sorted(set(python_backend_regions()) - before)
+        processes = [argv[0] for _, argv in child_processes(os.getpid())
+                     if argv and ("tritonserver" in argv[0] or "triton_python_backend_stub" in argv[0])]
+        if not (regions or processes) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not regions, f"the suite left {len(regions)} shared-memory regions: {[r.name for r in regions]}"
+    assert not processes, f"the suite left processes running: {processes}"
 
 
 @pytest.fixture(scope="session")

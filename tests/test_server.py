@@ -99,10 +99,10 @@ def test_log_follower_shows_the_lines_added_after_it_started(tmp_path):
 
 
 def test_start_failure_log_tail_explains_the_cuda_notices_instead_of_quoting_them(tmp_path):
-    from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerConfig
+    from resnet18_kit.server.server_log import log_tail
 
     log = tmp_path / "tritonserver.log"
     log.write_text("\n".join(CPU_ONLY_START) + "\n")
-    tail = EmbeddedTritonServer(ServerConfig(), log_path=log)._log_tail()
+    tail = log_tail(log)
     assert "tritonserver runs on the CPU" in tail and "CudaDriverHelper" not in tail
     assert "Started GRPCInferenceService" in tail

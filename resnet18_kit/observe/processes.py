@@ -5,6 +5,7 @@ reliability scenarios measure memory growth.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -45,3 +46,49 @@ def process_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+def listening_socket_inodes(port: int) -> set[int]:
+    """Inodes of the TCP sockets listening on `port` (any address, IPv4 and IPv6), from /proc/net/tcp
+    and /proc/net/tcp6 (Linux; state 0A is LISTEN)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(fields[9]))
+    return inodes
+
+
+def port_listeners(port: int) -> list[tuple[int, str]]:
+    """(pid, command name) of each process holding a TCP socket listening on `port`, read from
+    /proc/<pid>/fd. Empty when nothing listens, or when the holder's /proc entries cannot be read
+    (another user's process when this one is not root): the port may still be taken."""
+    inodes = listening_socket_inodes(port)
+    if not inodes:
+        return []
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    holders = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+            if any(_link(fd) in wanted for fd in fds):
+                holders.append((int(entry.name), (entry / "comm").read_text().strip()))
+        except OSError:  # exited while we looked, or not ours to read
+            continue
+    return sorted(holders)
+
+
+def _link(path: Path) -> str | None:
+    """Where the symlink `path` points, None when it vanished (an fd closed while we looked)."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None

@@ -10,6 +10,8 @@ docs/reliability.md (also written as JSON under results/reliability/):
 
     .venv/bin/python -m resnet18_kit.reliability                       # every scenario, about 3 minutes
     .venv/bin/python -m resnet18_kit.reliability --scenario burst --burst-requests 600
+    .venv/bin/python -m resnet18_kit.reliability --scenario lifecycle      # the fault matrix, about 2 minutes
+    .venv/bin/python -m resnet18_kit.reliability --scenario stops --stops 30   # `make serve` stopped 30 times
 
 The 10-minute soak at 80% of capacity is `python -m resnet18_kit.reliability.soak`.
 """
@@ -26,7 +28,7 @@ from resnet18_kit.contract import PROTOCOLS, TRITON_VERSION
 from resnet18_kit.observe.machine import cpu_share, cpu_ticks
 from resnet18_kit.observe.process_memory import MemorySampler
 from resnet18_kit.reliability import RELIABILITY_REPOSITORY, RESULTS_DIR
-from resnet18_kit.reliability import (bad_input, burst, crash_request, queue_timeout, readiness, refusal,
+from resnet18_kit.reliability import (bad_input, burst, crash_request, lifecycle, queue_timeout, readiness, refusal,
                                       restricted_api, sigterm, stub_kill)
 from resnet18_kit.reliability.loads import ensemble_load, onnx_load, reference_answers
 from resnet18_kit.reliability.table import markdown_table
@@ -34,7 +36,9 @@ from resnet18_kit.server.embedded import MiB, EmbeddedTritonServer, ServerConfig
 from resnet18_kit.server.supervisor import SupervisorPolicy
 
 SCENARIOS = ("burst", "refusal", "timeout", "readiness", "bad-input", "stub-kill", "crash-request", "sigterm",
-             "security")
+             "security", "lifecycle", "stops")
+#: Run only when named: `make serve` started and stopped --stops times (about 12 s a round).
+ON_REQUEST = ("stops",)
 #: The scenarios that share one server of the shipped models and the reliability models.
 ON_ONE_SERVER = ("burst", "refusal", "timeout", "readiness", "bad-input")
 
@@ -90,12 +94,38 @@ def run_faults(args, out_dir: Path, rows: list, record: dict) -> None:
         rows.append(restricted_api.table_row(record["security"]))
 
 
+def run_lifecycle(args, out_dir: Path, record: dict) -> list[str]:
+    """The fault matrix (reliability.lifecycle) and the repeated stops, those `args.scenario` names;
+    their Markdown tables (the columns differ from the main table's)."""
+    tables = []
+    if "lifecycle" in args.scenario:
+        matrix = []
+        for case in lifecycle.CASES:
+            result = lifecycle.run_case(case, out_dir / "lifecycle" / case)
+            record.setdefault("lifecycle", []).append(result)
+            matrix.append(lifecycle.table_row(result))
+            print(f"reliability: lifecycle {case}: {lifecycle.table_row(result)[1:]}", file=sys.stderr, flush=True)
+        tables.append(markdown_table(matrix, lifecycle.MATRIX_COLUMNS))
+    if "stops" in args.scenario:
+        result = lifecycle.repeated_stops(out_dir / "stops", args.stops)
+        record["stops"] = result
+        tables.append(f"`make serve` stopped with `kill -TERM -- -<pgid>` (two SIGTERMs each), {result['rounds']} "
+                      f"rounds: {result['hangs']} hung; serve's exit statuses {result['serve_statuses']}; "
+                      f"exit after {result['exit_s']} s; left running: {result['left_running'] or 'none'}; "
+                      f"/dev/shm regions {result['shm_before']} -> {result['shm_after']}")
+    return tables
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the scenarios; print the table, write reliability.json and reliability.md under
     --out/<time>/; exit status 0."""
     parser = argparse.ArgumentParser(prog="python -m resnet18_kit.reliability", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--scenario", nargs="+", choices=SCENARIOS,
+                        default=[s for s in SCENARIOS if s not in ON_REQUEST],
+                        help=f"scenarios to run (default: all but {', '.join(ON_REQUEST)})")
+    parser.add_argument("--stops", type=int, default=30,
+                        help="rounds of the stops scenario (default 30: the hang it guards against was 1 in 7)")
     parser.add_argument("--burst-requests", type=int, default=400,
                         help="requests per burst (default 400: five times what the 64-request queue and a "
                              "batch of 16 hold)")
@@ -116,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver.log") as server:
             run_on_one_server(config, server, args, rows, record)
     run_faults(args, out_dir, rows, record)
+    extra_tables = run_lifecycle(args, out_dir, record)
     record["cpu_steal_share"] = round(cpu_share(ticks_before, cpu_ticks())["steal"], 3)
-    table = markdown_table(rows)
+    table = "\n\n".join(([markdown_table(rows)] if rows else []) + extra_tables)
     record["table"] = table
     (out_dir / "reliability.json").write_text(json.dumps(record, indent=1, default=str))
     (out_dir / "reliability.md").write_text(table + "\n")

@@ -18,8 +18,8 @@ def unaccounted(summary: dict) -> int:
     return summary[LOST] + summary[WRONG] + summary[ERROR]
 
 
-def markdown_table(rows: list[list]) -> str:
-    """`rows` (one list of len(COLUMNS) cells each) as a Markdown table under COLUMNS."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def markdown_table(rows: list[list], columns: tuple[str, ...] = COLUMNS) -> str:
+    """`rows` (one list of len(columns) cells each) as a Markdown table under `columns`."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)

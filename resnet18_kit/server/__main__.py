@@ -1,8 +1,19 @@
 """python -m resnet18_kit.server: serve the model repository with Triton 2.51 (the PyPI `tritonserver`, CPU).
 
-Runs the export first when model files are missing, starts tritonserver, waits until every model is
-ready, prints where it listens, then serves until Ctrl-C or SIGTERM. On either signal the server stops
-taking new requests, lets in-flight ones finish (up to --exit-timeout-s) and exits.
+Runs the export first when model files are missing, checks that the three ports are free (a taken one:
+one line naming it and its holder, exit 2), starts tritonserver, waits until every model is ready on the
+server it started, prints where it listens, then serves until Ctrl-C or SIGTERM.
+
+Stopping (Triton 2.51's --exit-timeout-secs, given by --exit-timeout-s; docs/reliability.md "Stopping"):
+  1. the first SIGTERM or SIGINT sends SIGTERM to tritonserver. It stops accepting new HTTP connections
+     at once, but requests on HTTP connections already open (keep-alive) and all gRPC requests are still
+     accepted and answered until every HTTP connection has closed or the exit timeout has passed;
+  2. then it refuses new requests (gRPC UNAVAILABLE / NOT_FOUND while models unload), lets the requests
+     it holds finish within what is left of the exit timeout, unloads the models and exits;
+  3. serve removes the stubs' shared memory and exits 0.
+More SIGTERMs change nothing (make and Kubernetes may send several). A second Ctrl-C (SIGINT) cuts the
+drain short: tritonserver and its stubs are killed, in-flight requests fail, serve exits 1.
+If serve itself is killed (SIGKILL), tritonserver gets SIGTERM from the kernel and stops the same way.
 
 A supervisor restarts tritonserver when it exits, when a Python-backend stub process dies (Triton 2.51
 does not restart it; the model would fail every request while still reporting READY) or when it stops
@@ -21,15 +32,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from resnet18_kit.contract import MODEL_REPOSITORY, missing_artifacts, outdated_reason, results_dir, shown
-from resnet18_kit.server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ServerConfig
+from resnet18_kit.contract import (MODEL_REPOSITORY, missing_artifacts, outdated_reason, repository_variant_names,
+                                   results_dir, shown)
+from resnet18_kit.server.embedded import (ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ConfigurationError,
+                                          ServerConfig, check_ports_free)
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
+from resnet18_kit.server.stop import SignalStop
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
 
 #: Where `serve` writes tritonserver's full log (every restart appends to it).
@@ -98,19 +111,37 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     return config
 
 
+def check_variant(config: ServerConfig) -> None:
+    """ConfigurationError when --model-config-name names a config no model of the repository has
+    (tritonserver would silently load every config.pbtxt instead); the message lists the known names."""
+    name = config.model_config_name
+    if name is None:
+        return
+    known = repository_variant_names(Path(config.model_repository))
+    if name not in known:
+        raise ConfigurationError(f"--model-config-name {name}: no model in {shown(Path(config.model_repository))} "
+                                 f"has configs/{name}.pbtxt; known names: {', '.join(known)}")
+
+
 def parse_server_config(parser: argparse.ArgumentParser, argv: list[str] | None):
     """(args, ServerConfig) from `argv`, for a parser given add_server_arguments. A refused --host
-    (InsecureBindError) is its one-line message on stderr and exit status 2 (SystemExit)."""
+    (InsecureBindError), an unknown --model-config-name or a taken port is one line on stderr naming
+    it and exit status 2 (SystemExit)."""
     args = parser.parse_args(argv)
     try:
-        return args, config_from_args(args)
-    except InsecureBindError as exc:
-        parser.exit(2, f"{exc}\n")
+        config = config_from_args(args)
+        check_variant(config)
+        check_ports_free(config)
+    except (InsecureBindError, ConfigurationError) as exc:
+        message = str(exc)
+        parser.exit(2, f"{message if message.startswith('serve:') else 'serve: ' + message}\n")
+    return args, config
 
 
 def main(argv: list[str] | None = None) -> int:
     """Serve until Ctrl-C or SIGTERM (module doc); exit status 0 on a clean stop, 1 when the server could
-    not be kept running, 2 for a refused --host."""
+    not be kept running or the stop was cut short, 2 for a bad environment: a refused --host, an unknown
+    --model-config-name, a taken port, a model that does not load."""
     parser = argparse.ArgumentParser(prog="python -m resnet18_kit.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(parser)
@@ -122,16 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse_server_config(parser, argv)
     ensure_exported()
 
-    stop = threading.Event()
+    def on_signal(signum, effect: str) -> None:  # called from the main loop (SignalStop.poll), not a handler
+        if effect == "stop":
+            print(f"serve: {signum.name}: stopping; requests already accepted finish first (up to "
+                  f"{config.exit_timeout_s} s; Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        elif effect == "hurry":
+            print(f"serve: {signum.name} again: not waiting for in-flight requests; killing tritonserver",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"serve: {signum.name} again: already stopping", file=sys.stderr, flush=True)
 
-    def on_signal(signum, _frame):
-        if not stop.is_set():
-            print(f"serve: {signal.Signals(signum).name}: stopping; accepted requests finish first "
-                  f"(up to {config.exit_timeout_s} s)", flush=True)
-        stop.set()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, on_signal)
     announced = threading.Event()
 
     def on_event(event: SupervisorEvent) -> None:
@@ -152,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serve: tritonserver log: {shown(server_log)}", file=sys.stderr, flush=True)
     supervisor = Supervisor(config, SupervisorPolicy(max_restarts=args.max_restarts), log_path=server_log,
                             on_event=on_event)
-    with LogFollower(server_log, lambda line: print(line, file=sys.stderr, flush=True),
-                     CudaNoticeFilter(shown(server_log), prefix="serve: ")):
+    with SignalStop(on_signal) as stop, \
+            LogFollower(server_log, lambda line: print(line, file=sys.stderr, flush=True),
+                        CudaNoticeFilter(shown(server_log), prefix="serve: ")):
         status = supervisor.run(stop)
-    print(f"serve: exiting with status {status}", flush=True)
+    print(f"serve: exiting with status {status}", file=sys.stderr, flush=True)
     return status
 
 

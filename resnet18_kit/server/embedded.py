@@ -5,10 +5,22 @@ The one place that knows how that server is put together (the same steps PyTrito
     built for this interpreter's Python version (`triton_python_backend_stub`);
   * LD_LIBRARY_PATH with the wheel's bundled libraries (the stub needs its libcudart even on a CPU);
   * the venv's bin/ first on PATH, so each stub's embedded interpreter imports the venv's packages.
+
+What a start guarantees (docs/reliability.md "Faults"):
+  * the three ports are checked before anything starts: a taken one is PortBusyError, naming the port
+    and, where /proc tells, the process holding it;
+  * readiness is believed only from this server: /v2/health/ready must answer 200 *and* the socket
+    listening on the HTTP port must belong to the tritonserver process started here (another server
+    on the port cannot satisfy the probe);
+  * every start gets its own Python-backend shared-memory prefix (`shm_prefix`), and `stop()` removes
+    whatever is left under it in /dev/shm once the process group is gone: Triton 2.51 leaves the
+    16 MiB region of a stub that was killed, and all of them when tritonserver itself is killed or
+    fails to start.
 """
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import shutil
 import signal
@@ -18,10 +30,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from resnet18_kit.contract import DEFAULT_HOST, DEFAULT_PORTS, MODEL_REPOSITORY, PROTOCOLS
-from resnet18_kit.observe.processes import child_processes, rss_bytes
-from resnet18_kit.server.server_log import cpu_only_explanation, is_cuda_notice
+from resnet18_kit.observe.processes import child_processes, port_listeners, rss_bytes
+from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, busy_port, remove_regions
+from resnet18_kit.server.server_log import first_error_line, log_tail
 
 MiB = 1 << 20
 
@@ -37,8 +51,8 @@ ADMIN_GRPC_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 ADMIN_KEY_ENV = "TRITON_ADMIN_KEY"
 #: Executable name of the Python backend's per-instance stub process.
 STUB_EXECUTABLE = "triton_python_backend_stub"
-
-
+#: Numbers this process's servers, for their shared-memory prefixes.
+_starts = itertools.count(1)
 @dataclass(frozen=True)
 class ServerConfig:
     """What a user sets when starting the server. Ports 0 are not allowed: pass real free ports."""
@@ -143,8 +157,9 @@ def server_environment() -> dict[str, str]:
     return env
 
 
-def server_command(config: ServerConfig) -> list[str]:
-    """The tritonserver command line for `config` (no shell quoting needed: a list of arguments)."""
+def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PREFIX) -> list[str]:
+    """The tritonserver command line for `config` (no shell quoting needed: a list of arguments);
+    `shm_prefix`: the name prefix of its stubs' shared-memory regions in /dev/shm."""
     cmd = [
         str(tritonserver_binary()),
         *(f"--model-repository={repository}"
@@ -160,6 +175,7 @@ def server_command(config: ServerConfig) -> list[str]:
         "--rate-limit=execution_count",
         f"--backend-config=python,shm-default-byte-size={config.python_shm_default_bytes}",
         f"--backend-config=python,shm-growth-byte-size={config.python_shm_growth_bytes}",
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
         f"--log-verbose={config.log_verbose}",
     ]
     if config.model_config_name:
@@ -191,7 +207,38 @@ def config_on_free_ports(**options) -> ServerConfig:
 
 
 class ServerStartError(RuntimeError):
-    """tritonserver exited or did not become ready in time; the message carries its log tail."""
+    """tritonserver did not become ready. `exit_status`: what a command should exit with (1: a fault,
+    possibly passing; ConfigurationError: 2). The message carries the reason (and the log tail when
+    the server said why)."""
+
+    exit_status = 1
+
+
+class ConfigurationError(ServerStartError):
+    """A start that cannot succeed by retrying: a port taken, a model that does not load, a bad option.
+    The message is one line naming the problem; exit status 2."""
+
+    exit_status = 2
+
+
+class PortBusyError(ConfigurationError):
+    """One of the server's ports is taken by another process (named when /proc tells)."""
+
+
+class StartCancelled(ServerStartError):
+    """A stop was requested while the server was starting; it was stopped before it became ready."""
+
+    exit_status = 0
+
+
+def check_ports_free(config: ServerConfig) -> None:
+    """Raise PortBusyError naming the first of `config`'s HTTP, gRPC and metrics ports that is taken on
+    its host right now, and its holder where /proc tells (server.resources.busy_port)."""
+    problem = busy_port(config.host, (("HTTP", "--http-port", config.http_port),
+                                      ("gRPC", "--grpc-port", config.grpc_port),
+                                      ("metrics", "--metrics-port", config.metrics_port)))
+    if problem:
+        raise PortBusyError(problem)
 
 
 class EmbeddedTritonServer:
@@ -200,8 +247,10 @@ class EmbeddedTritonServer:
     log_path: where the server's stdout and stderr go; None = this process's stdout/stderr.
     die_with_parent: the server gets SIGTERM when the thread that started it dies, even by SIGKILL
         (Linux PR_SET_PDEATHSIG, through util-linux's `setpriv`), so a killed `serve` leaves no orphan
-        server holding the ports. Off by default: the server must then be started from a thread that
-        outlives it.
+        server holding the ports: it drains, exits and removes its stubs' shared memory itself. Off by
+        default: the server must then be started from a thread that outlives it.
+    shm_prefix: the name prefix of this server's Python-backend regions in /dev/shm, new for each
+        instance ("triton_python_backend_shm_region_<pid>x<n>_"); stop() removes what is left under it.
     """
 
     def __init__(self, config: ServerConfig = ServerConfig(), log_path: Path | None = None,
@@ -209,17 +258,23 @@ class EmbeddedTritonServer:
         self.config = config
         self.log_path = log_path
         self.die_with_parent = die_with_parent
+        self.shm_prefix = f"{PYTHON_BACKEND_SHM_PREFIX}{os.getpid()}x{next(_starts)}_"
         self.process: subprocess.Popen | None = None
         self.started_at: float | None = None
 
-    def start(self, ready_timeout_s: float = 300.0) -> float:
-        """Start the server and block until /v2/health/ready; return seconds from start to ready.
+    def start(self, ready_timeout_s: float = 300.0, cancelled: Callable[[], bool] | None = None) -> float:
+        """Check the ports, start the server and block until it is ready; return seconds from start to
+        ready.
 
-        Raises ServerStartError when the process exits first or the timeout passes.
+        cancelled: polled while waiting; when it returns True the server is stopped and StartCancelled
+        raised. Raises PortBusyError before starting anything when a port is taken, ConfigurationError
+        when tritonserver exits before ready (a model failed to load, a bad option: its first error line
+        names it), ServerStartError when `ready_timeout_s` seconds pass.
         """
+        check_ports_free(self.config)
         output = open(self.log_path, "ab") if self.log_path else None
         self.started_at = time.monotonic()
-        command = server_command(self.config)
+        command = server_command(self.config, self.shm_prefix)
         if self.die_with_parent and shutil.which("setpriv"):
             command = ["setpriv", "--pdeathsig", "TERM", "--", *command]  # kept across its exec
         self.process = subprocess.Popen(
@@ -229,45 +284,41 @@ class EmbeddedTritonServer:
         if output:
             output.close()
         try:
-            self.wait_ready(ready_timeout_s)
+            self.wait_ready(ready_timeout_s, cancelled)
         except BaseException:
-            self.stop()
+            self.stop(drain_s=0)
             raise
         return time.monotonic() - self.started_at
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Poll /v2/health/ready every 0.25 s up to `timeout_s` seconds; ServerStartError otherwise."""
+    def wait_ready(self, timeout_s: float, cancelled: Callable[[], bool] | None = None) -> None:
+        """Poll every 0.25 s, up to `timeout_s` seconds, until /v2/health/ready answers 200 and the HTTP
+        port's listening socket is this server's (serves_http_port); errors as in start()."""
         import tritonclient.http as httpclient
 
         client = httpclient.InferenceServerClient(self.config.http_url, connection_timeout=2.0)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
+                if cancelled is not None and cancelled():
+                    raise StartCancelled("stop requested before the server was ready")
                 if self.process.poll() is not None:
-                    raise ServerStartError(
-                        f"tritonserver exited with status {self.process.returncode} before ready"
-                        f"{self._log_tail()}")
+                    raise ConfigurationError(
+                        f"tritonserver exited with status {self.process.returncode} before ready: "
+                        f"{first_error_line(self.log_path)}")
                 try:
-                    if client.is_server_ready():
+                    if self.serves_http_port() and client.is_server_ready():
                         return
                 except Exception:  # not listening yet
                     pass
                 time.sleep(0.25)
         finally:
             client.close()
-        raise ServerStartError(f"tritonserver not ready after {timeout_s:.0f} s{self._log_tail()}")
+        raise ServerStartError(f"tritonserver not ready after {timeout_s:.0f} s{log_tail(self.log_path)}")
 
-    def _log_tail(self, lines: int = 40) -> str:
-        """The last `lines` lines of the server log for an error message; CUDA notices of a machine
-        without a usable GPU (server.server_log) left out and explained in one line instead."""
-        if not self.log_path or not Path(self.log_path).exists():
-            return ""
-        text = Path(self.log_path).read_text(errors="replace").splitlines()
-        kept = [line for line in text if not is_cuda_notice(line)]
-        tail = kept[-lines:]
-        if len(kept) < len(text):  # some CUDA notices were left out
-            tail.insert(0, f"({cpu_only_explanation(self.log_path)})")
-        return "; server log tail:\n" + "\n".join(tail)
+    def serves_http_port(self) -> bool:
+        """True when the socket listening on the HTTP port belongs to this server's process (so a
+        readiness answer on that port is its own, not another server's)."""
+        return self.running and any(pid == self.process.pid for pid, _ in port_listeners(self.config.http_port))
 
     @property
     def running(self) -> bool:
@@ -298,27 +349,39 @@ class EmbeddedTritonServer:
             memory[name] = rss_bytes(pid)
         return {name: rss for name, rss in memory.items() if rss is not None}
 
-    def stop(self, drain_s: float | None = None) -> int | None:
-        """SIGTERM, wait for in-flight requests, then SIGKILL the process group (stubs included).
+    def stop(self, drain_s: float | None = None, hurry: Callable[[], bool] | None = None) -> int | None:
+        """SIGTERM, wait for in-flight requests, then SIGKILL the process group (stubs included) and
+        remove this server's shared-memory regions left in /dev/shm.
 
         drain_s: how long to wait after SIGTERM before SIGKILL; default exit_timeout_s + 10 s (the
-        server's own exit timeout plus a margin).
-        Returns the server's exit status (None if it was never started).
+        server's own exit timeout plus a margin). hurry: polled every 0.1 s while waiting; True cuts
+        the wait short (SIGKILL now, in-flight requests fail).
+        Returns the server's exit status (None if it was never started; negative: killed by that signal).
         """
         if self.process is None:
             return None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(self.config.exit_timeout_s + 10 if drain_s is None else drain_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        try:  # stubs left behind by a killed server
+            deadline = time.monotonic() + (self.config.exit_timeout_s + 10 if drain_s is None else drain_s)
+            while self.process.poll() is None and time.monotonic() < deadline:
+                if hurry is not None and hurry():
+                    break
+                try:
+                    self.process.wait(0.1)
+                except subprocess.TimeoutExpired:
+                    pass
+        try:  # a server past its drain, or stubs left behind by a killed server
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.process.wait()
+        self.remove_shared_memory()
         return self.process.returncode
+
+    def remove_shared_memory(self) -> list[Path]:
+        """Remove this server's Python-backend regions from /dev/shm (call once its processes are gone);
+        returns those removed. Regions of other servers (another prefix) are never touched."""
+        return remove_regions(self.shm_prefix)
 
     def __enter__(self) -> "EmbeddedTritonServer":
         self.start()

@@ -120,3 +120,27 @@ class LogFollower:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def first_error_line(log_path: Path | None) -> str:
+    """The first error line of a tritonserver log (Triton's "E<mmdd> ..." lines; CUDA notices of a
+    machine without a GPU left out), without its prefix; a pointer to the log when it has none."""
+    if log_path is None or not Path(log_path).exists():
+        return "its log went to this terminal"
+    for line in Path(log_path).read_text(errors="replace").splitlines():
+        if line[:1] == "E" and line[1:5].isdigit() and not is_cuda_notice(line):
+            return line.split("] ", 1)[-1].strip()
+    return f"no error line in its log ({log_path})"
+
+
+def log_tail(log_path: Path | None, lines: int = 40) -> str:
+    """"; server log tail:" and the last `lines` lines of a tritonserver log, for an error message; CUDA
+    notices of a machine without a usable GPU left out and explained in one line instead ("" without a log)."""
+    if log_path is None or not Path(log_path).exists():
+        return ""
+    text = Path(log_path).read_text(errors="replace").splitlines()
+    kept = [line for line in text if not is_cuda_notice(line)]
+    tail = kept[-lines:]
+    if len(kept) < len(text):  # some CUDA notices were left out
+        tail.insert(0, f"({cpu_only_explanation(log_path)})")
+    return "; server log tail:\n" + "\n".join(tail)

@@ -16,6 +16,12 @@ Checks, every `poll_interval_s`:
 A restart stops the server (SIGTERM, `restart_drain_s` for the requests other models are serving, then
 SIGKILL) and starts it again on the same ports. More than `max_restarts` restarts within
 `restart_window_s` is a crash loop: the supervisor gives up and `run` returns 1.
+
+A start that fails is not a fault to restart from: a taken port, a model that does not load or a
+restart that comes up without a model instance the first start had (the repository changed under the
+server) are ConfigurationError and end `run` with status 2 at once; a
+start that times out ends it with 1. A stop requested during a start (StopRequest) stops the starting
+server and `run` returns 0.
 """
 from __future__ import annotations
 
@@ -27,8 +33,10 @@ from pathlib import Path
 from typing import Callable
 
 from resnet18_kit.observe.processes import process_alive
-from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerConfig, ServerStartError
+from resnet18_kit.server.embedded import (ConfigurationError, EmbeddedTritonServer, ServerConfig, ServerStartError,
+                                          StartCancelled)
 from resnet18_kit.server.overload import QueueWatch
+from resnet18_kit.server.stop import StopRequest
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ class SupervisorPolicy:
 @dataclass
 class SupervisorEvent:
     at_s: float    # seconds since the supervisor started (monotonic clock)
-    kind: str      # "ready", "fault", "restart", "gave-up", "overload", "stopped"
+    kind: str      # "ready", "fault", "restart", "gave-up", "overload", "stopped", "start-failed"
     detail: str
 
 
@@ -77,11 +85,14 @@ class Supervisor:
         self.restarts = 0
         self._restart_times: list[float] = []
         self._stubs: dict[str, int] = {}
+        #: The stub instances of the first start: a restarted server must run the same ones.
+        self._instances: set[str] | None = None
         self._last_live = 0.0
         self._origin = time.monotonic()
         self._queues = QueueWatch.for_config(config) if policy.queue_warnings else None
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._stop = StopRequest()
+        self._stop_request: StopRequest | None = None
         self.exit_status: int | None = None
 
     # -- events ---------------------------------------------------------------------------------------
@@ -94,11 +105,21 @@ class Supervisor:
     # -- start, check, restart ------------------------------------------------------------------------
 
     def start_server(self) -> float:
-        """Start tritonserver and wait until ready; return seconds to ready. Raises ServerStartError."""
+        """Start tritonserver and wait until ready; return seconds to ready. Raises ServerStartError
+        (StartCancelled when the stop request of `run` came first)."""
         # die_with_parent: if this process is killed outright, the server does not outlive it
         self.server = EmbeddedTritonServer(self.config, log_path=self.log_path, die_with_parent=True)
-        seconds = self.server.start(self.policy.ready_timeout_s)
+        stop = self._stop_request
+        seconds = self.server.start(self.policy.ready_timeout_s,
+                                    cancelled=None if stop is None else (lambda: stop.wait(0)))
         self._stubs = self.server.stub_processes()
+        if self._instances is None:
+            self._instances = set(self._stubs)
+        elif not self._instances <= set(self._stubs):
+            missing = ", ".join(sorted(self._instances - set(self._stubs)))
+            self.server.stop(drain_s=0)
+            raise ConfigurationError(f"the restarted server lacks model instances {missing}: the model "
+                                     f"repository changed under the running server ({self.config.model_repository})")
         self._last_live = time.monotonic()
         self._event("ready", f"tritonserver pid {self.server.process.pid} ready in {seconds:.1f} s, "
                              f"{len(self._stubs)} stub processes")
@@ -130,16 +151,17 @@ class Supervisor:
         except OSError:
             return False
 
-    def restart(self, reason: str) -> bool:
-        """Stop the server and start it again; False when the crash-loop bound forbids it or the new
-        server does not become ready."""
+    def restart(self, reason: str) -> int | None:
+        """Stop the server and start it again; None when it is serving again, else the status `run`
+        returns: 1 when the crash-loop bound forbids a restart or the new server timed out, 2 when it
+        cannot start (ConfigurationError), 0 when a stop was requested during the start."""
         now = time.monotonic()
         self._restart_times = [t for t in self._restart_times if now - t < self.policy.restart_window_s]
         if len(self._restart_times) >= self.policy.max_restarts:
             self._event("gave-up", f"{reason}; {len(self._restart_times)} restarts in the last "
                                    f"{self.policy.restart_window_s:.0f} s already")
             self.server.stop(drain_s=self.policy.restart_drain_s)
-            return False
+            return 1
         self._restart_times.append(now)
         self.restarts += 1
         self._event("fault", reason)
@@ -148,27 +170,40 @@ class Supervisor:
                                f"starting again (restart {self.restarts})")
         try:
             self.start_server()
+        except StartCancelled:
+            self._event("stopped", "stop requested while restarting; the new server was stopped")
+            return 0
         except ServerStartError as exc:
             self._event("gave-up", f"restart failed: {exc}")
-            return False
-        return True
+            return exc.exit_status
+        return None
 
     # -- loops ------------------------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> int:
-        """Start the server, supervise it until `stop` is set, then stop it gracefully (SIGTERM, up to
-        exit_timeout_s). Returns 0 on a clean stop, 1 when the server could not be kept running or did
-        not exit cleanly."""
+    def run(self, stop: StopRequest) -> int:
+        """Start the server, supervise it until `stop` asks for a stop, then stop it gracefully (SIGTERM,
+        up to exit_timeout_s; `stop.hurried` cuts that short). Returns 0 on a clean stop (or a stop
+        before ready), 1 when the server could not be kept running, did not exit cleanly or was cut
+        short, 2 when it cannot start (ConfigurationError: a port taken, a model that does not load)."""
+        self._stop_request = stop
         try:
             self.start_server()
+        except StartCancelled:
+            self._event("stopped", "stop requested before the server was ready; it was stopped")
+            return 0
         except ServerStartError as exc:
-            self._event("gave-up", f"start failed: {exc}")
-            return 1
+            self._event("start-failed", str(exc))
+            return exc.exit_status
         while not stop.wait(self.policy.poll_interval_s):
             reason = self.check()
-            if reason is not None and not self.restart(reason):
-                return 1
-        status = self.server.stop()
+            if reason is not None:
+                status = self.restart(reason)
+                if status is not None:
+                    return status
+        status = self.server.stop(hurry=lambda: stop.wait(0) and stop.hurried)
+        if stop.hurried:
+            self._event("stopped", f"drain cut short: tritonserver and its stubs killed (status {status})")
+            return 1
         self._event("stopped", f"tritonserver exited with status {status}")
         return 0 if status == 0 else 1
 
@@ -187,7 +222,7 @@ class Supervisor:
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """Stop the background supervisor and its server; returns run()'s status."""
-        self._stop.set()
+        self._stop.request()
         if self._thread is not None:
             self._thread.join(timeout_s)
         return self.exit_status

@@ -1,0 +1,204 @@
+"""The serve command's lifecycle under faults (reliability.lifecycle): every row of the fault matrix
+against the real `python -m resnet18_kit.server` on the echo model under a retrying load, the stop-signal
+handling on its own, the start-up checks (busy ports, unknown config names, readiness that only the
+server we started can satisfy) and `make serve` stopped with two signals, several times in a row."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import tritonclient.http as httpclient
+
+from resnet18_kit.reliability.lifecycle import CASES, ServeRun, held_port, repeated_stops, run_case
+from resnet18_kit.reliability.loads import echo_load, response_id
+from resnet18_kit.reliability.senders import infer, send_fresh
+from resnet18_kit.reliability import ECHO_MODEL, repository_with
+from resnet18_kit.server.embedded import (EmbeddedTritonServer, PortBusyError, ServerConfig, check_ports_free,
+                                          config_on_free_ports, free_ports)
+from resnet18_kit.server.resources import (PYTHON_BACKEND_SHM_PREFIX, SHM_DIR, busy_port, python_backend_regions,
+                                           remove_regions)
+from resnet18_kit.server.stop import SignalStop, StopRequest
+
+EXIT_TIMEOUT_S = 5
+#: What each case must end with: serve's exit status and the one line that names what happened.
+EXPECTED = {
+    "sigterm": (0, "SIGTERM: stopping"),
+    "sigterm-x3": (0, "SIGTERM again: already stopping"),
+    "sigint": (0, "SIGINT: stopping"),
+    "sigint-x2": (1, "SIGINT again: not waiting for in-flight requests"),
+    "sigterm-starting": (0, "stop requested before the server was ready"),
+    "http-busy": (2, "HTTP port"),
+    "grpc-busy": (2, "gRPC port"),
+    "metrics-busy": (2, "metrics port"),
+    "stub-kill": (0, "fault: Python-backend stub of instance 'reliability_echo_0_0'"),
+    "tritonserver-kill": (0, "fault: tritonserver exited with status -9"),
+    "serve-kill": (-9, None),
+    "model-deleted": (2, "lacks model instances reliability_echo_0_0"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fault_matrix_row(case, tmp_path):
+    """Each row: serve ends as expected and in time, nothing accepted is lost, no process and no
+    shared-memory region of it is left; stops that wait for the drain fail nothing."""
+    result = run_case(case, tmp_path, exit_timeout_s=EXIT_TIMEOUT_S)
+    counts = result["counts"]
+    print(f"\n{case}: {counts} exit {result['exit_status']} in {result['exit_s']} s, "
+          f"shm {result['shm_before']} -> {result['shm_after']}\n  " + "\n  ".join(result["lines"]))
+    status, line = EXPECTED[case]
+    assert result["exit_status"] == status, result
+    if line is not None:
+        assert any(line in text for text in result["lines"]), result["lines"]
+    assert counts["lost"] == 0, counts
+    assert result["left_running"] == [] and result["shm_left"] == [], result
+    assert result["shm_after"] <= result["shm_before"], result
+    assert result["exit_s"] < EXIT_TIMEOUT_S + 10, result
+    if case in ("sigterm", "sigterm-x3", "sigint", "tritonserver-kill"):
+        assert counts["failed"] == 0 and counts["answered"] > 0, counts
+    if case == "stub-kill":  # only the requests the dead stub failed before the supervisor noticed
+        assert all("is not healthy" in failure for failure in counts["failures"]), counts
+    if case.endswith("-busy"):
+        assert counts["sent"] == 0 and len(result["lines"]) == 1, result  # one line, nothing started
+        assert "is taken by pid" in result["lines"][0], result["lines"]
+    if case == "sigint-x2":
+        assert result["exit_s"] < 3, result  # no drain
+
+
+def test_make_serve_stopped_with_two_sigterms_never_hangs(tmp_path):
+    """`kill -TERM -- -<pgid>` on `make serve`: make forwards its SIGTERM, so serve gets two. The
+    documented figure (30+ rounds) comes from `python -m resnet18_kit.reliability --scenario stops`."""
+    result = repeated_stops(tmp_path, repeat=3)
+    print(f"\n{result}")
+    assert result["hangs"] == 0 and result["serve_statuses"] == [0], result
+    assert result["left_running"] == [] and result["shm_after"] <= result["shm_before"], result
+
+
+def test_signals_are_only_recorded_and_a_second_sigint_hurries():
+    """SignalStop: SIGTERM x3 is one graceful stop (two repeats reported), a later SIGINT hurries; what
+    each did is reported from wait(), in order."""
+    seen = []
+    with SignalStop(lambda signum, effect: seen.append((signum.name, effect))) as stop:
+        assert not stop.wait(0.05) and not stop.requested
+        for _ in range(3):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait(1.0) and stop.requested and not stop.hurried
+        os.kill(os.getpid(), signal.SIGINT)
+        stop.wait(0.1)
+        assert stop.hurried
+    assert seen == [("SIGTERM", "stop"), ("SIGTERM", "repeat"), ("SIGTERM", "repeat"), ("SIGINT", "hurry")]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+
+def test_a_stop_request_from_code_wakes_a_waiter():
+    stop = StopRequest()
+    assert not stop.wait(0.01)
+    stop.request()
+    assert stop.wait(0) and not stop.hurried
+    stop.hurry()
+    assert stop.hurried
+
+
+def test_a_busy_port_is_named_with_its_holder():
+    port, = free_ports(1)
+    holder = held_port(port)
+    try:
+        message = busy_port("127.0.0.1", (("gRPC", "--grpc-port", port),))
+        grpc, metrics = free_ports(2)
+        with pytest.raises(PortBusyError, match=f"HTTP port {port} on 127.0.0.1 is taken by pid {os.getpid()}"):
+            check_ports_free(ServerConfig(http_port=port, grpc_port=grpc, metrics_port=metrics))
+    finally:
+        holder.close()
+    assert message.startswith(f"gRPC port {port} on 127.0.0.1 is taken by pid {os.getpid()} (")
+    assert message.endswith("choose another port with --grpc-port")
+    assert busy_port("127.0.0.1", (("gRPC", "--grpc-port", port),)) is None  # free again
+
+
+def test_readiness_is_not_believed_from_a_process_that_is_not_ours():
+    """The probe's port answered by another process: serves_http_port is False for our server."""
+    config = config_on_free_ports()
+    holder = held_port(config.http_port)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        server = EmbeddedTritonServer(config)
+        server.process = sleeper  # a process of ours that does not listen on the port
+        assert not server.serves_http_port()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        holder.close()
+
+
+def test_an_unknown_model_config_name_is_one_line_with_the_known_names(tmp_path):
+    http, grpc, metrics = free_ports(3)
+    result = subprocess.run([sys.executable, "-m", "resnet18_kit.server", "--model-config-name", "nosuch",
+                             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--model-config-name nosuch: no model in" in lines[0], result.stderr
+    assert "known names: default, gpu, int8, latency" in lines[0], lines
+
+
+def test_region_removal_touches_only_its_own_prefix():
+    ours, theirs = f"{PYTHON_BACKEND_SHM_PREFIX}{os.getpid()}xtest_", f"{PYTHON_BACKEND_SHM_PREFIX}someone_else_"
+    paths = [SHM_DIR / f"{prefix}region" for prefix in (ours, theirs)]
+    for path in paths:
+        path.write_bytes(b"x")
+    try:
+        assert remove_regions(ours) == [paths[0]]
+        assert not paths[0].exists() and paths[1].exists()
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+
+
+def test_a_server_killed_outright_leaves_no_shared_memory_after_stop(tmp_path):
+    """tritonserver SIGKILLed: Triton leaves every stub's region; stop() removes those of its prefix."""
+    config = config_on_free_ports(model_repository=repository_with([ECHO_MODEL], tmp_path / "repo"),
+                                  exit_timeout_s=2)
+    server = EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log")
+    server.start()
+    try:
+        assert python_backend_regions(server.shm_prefix), "the stub's region should exist while it runs"
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        time.sleep(0.2)
+        assert python_backend_regions(server.shm_prefix), "Triton 2.51 leaves it when killed"
+    finally:
+        server.stop()
+    assert python_backend_regions(server.shm_prefix) == []
+
+
+def test_sigterm_keeps_serving_an_open_http_connection_until_it_closes(tmp_path):
+    """Triton 2.51's drain, as README and docs/reliability.md "Stopping" say: after SIGTERM a new HTTP
+    connection is refused, requests on an HTTP connection opened before are still answered, and the
+    server goes on to unload and exit soon after that connection closes, well before the exit timeout."""
+    exit_timeout_s = 20
+    config = config_on_free_ports(model_repository=repository_with([ECHO_MODEL], tmp_path / "repository"),
+                                  exit_timeout_s=exit_timeout_s)
+    run = ServeRun(config, tmp_path)
+    load = echo_load()
+    try:
+        run.wait_ready()
+        kept = httpclient.InferenceServerClient(config.http_url, concurrency=1)
+        infer(kept, httpclient, load, 0)  # the connection is open now
+        run.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        answered_on_open = [response_id(infer(kept, httpclient, load, i)) for i in range(1, 6)]
+        fresh = send_fresh(config, "http", load, 99)
+        closed_at = time.monotonic()
+        kept.close()
+        status = run.wait_exit(exit_timeout_s + 10)
+        exit_after_close_s = time.monotonic() - closed_at
+    finally:
+        if run.process.poll() is None:
+            run.kill_everything()
+    print(f"\nanswered on the open connection after SIGTERM: {answered_on_open}; fresh connection: {fresh.kind} "
+          f"{fresh.message[:60]}; exit {status} {exit_after_close_s:.1f} s after the connection closed")
+    assert answered_on_open == ["1", "2", "3", "4", "5"]
+    assert fresh.kind != "answered", fresh
+    assert status == 0 and exit_after_close_s < exit_timeout_s / 2, (status, exit_after_close_s)
