@@ -17,7 +17,8 @@ from resnet18_kit.reliability.lifecycle import CASES, ServeRun, held_port, repea
 from resnet18_kit.reliability.loads import echo_load, response_id
 from resnet18_kit.reliability.senders import infer, send_fresh
 from resnet18_kit.reliability import ECHO_MODEL, repository_with
-from resnet18_kit.server.embedded import (EmbeddedTritonServer, PortBusyError, ServerConfig, check_ports_free,
+from resnet18_kit.server.embedded import (ConfigurationError, EmbeddedTritonServer, PortBusyError, ServerConfig,
+                                          check_ports_free,
                                           config_on_free_ports, free_ports)
 from resnet18_kit.server.resources import (PYTHON_BACKEND_SHM_PREFIX, SHM_DIR, busy_port, python_backend_regions,
                                            remove_regions)
@@ -202,3 +203,11 @@ def test_sigterm_keeps_serving_an_open_http_connection_until_it_closes(tmp_path)
     assert answered_on_open == ["1", "2", "3", "4", "5"]
     assert fresh.kind != "answered", fresh
     assert status == 0 and exit_after_close_s < exit_timeout_s / 2, (status, exit_after_close_s)
+
+
+@pytest.mark.parametrize("ports, message", [((8000, 8000, 8002), "--http-port and --grpc-port are the same port"),
+                                            ((99999, 8001, 8002), "--http-port 99999: a TCP port is 1 to 65535")])
+def test_impossible_ports_are_refused_before_anything_starts(ports, message):
+    http, grpc, metrics = ports
+    with pytest.raises(ConfigurationError, match=message):
+        check_ports_free(ServerConfig(http_port=http, grpc_port=grpc, metrics_port=metrics))

@@ -233,10 +233,17 @@ class StartCancelled(ServerStartError):
 
 def check_ports_free(config: ServerConfig) -> None:
     """Raise PortBusyError naming the first of `config`'s HTTP, gRPC and metrics ports that is taken on
-    its host right now, and its holder where /proc tells (server.resources.busy_port)."""
-    problem = busy_port(config.host, (("HTTP", "--http-port", config.http_port),
-                                      ("gRPC", "--grpc-port", config.grpc_port),
-                                      ("metrics", "--metrics-port", config.metrics_port)))
+    its host right now, and its holder where /proc tells (server.resources.busy_port); ConfigurationError
+    for a port outside 1..65535 or one port given for two services."""
+    ports = (("HTTP", "--http-port", config.http_port), ("gRPC", "--grpc-port", config.grpc_port),
+             ("metrics", "--metrics-port", config.metrics_port))
+    for label, flag, port in ports:
+        if not 1 <= port <= 65535:
+            raise ConfigurationError(f"{flag} {port}: a TCP port is 1 to 65535")
+    shared = [flag for _, flag, port in ports if [p for _, _, p in ports].count(port) > 1]
+    if shared:
+        raise ConfigurationError(f"{' and '.join(shared)} are the same port; HTTP, gRPC and metrics need one each")
+    problem = busy_port(config.host, ports)
     if problem:
         raise PortBusyError(problem)
 
