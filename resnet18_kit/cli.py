@@ -1,92 +1,174 @@
-"""The console scripts: every command a user runs, installed by `pip install` (pyproject.toml
-[project.scripts]), each the same as `python -m <module>`.
+"""resnet18-kit: the one command of this kit (`python -m resnet18_kit` is the same).
 
-Every script also takes two folder options, anywhere on its command line, before the command itself reads
-them (resnet18_kit/contract.py resolves both once, on first import):
-  --model-repository DIR   the Triton model repository (default: the checkout's model_repository/, or
-                           ./model_repository when the package is installed outside a checkout)
-  --results DIR            where results go (default: the checkout's results/, or ./results)
-Both set the environment variables contract.MODEL_REPOSITORY_ENV and contract.RESULTS_ENV, which work too.
-A command that has its own --model-repository option (serve, demo) still receives it.
+    resnet18-kit [--model-repository DIR] [--results DIR] [--log-level LEVEL] <command> [options]
+
+Each command is a module with `add_arguments(parser)` and `run(settings, args) -> exit status`; this
+module builds the parser, imports only the module of the command given (so `--help` and a client-only
+install stay light), builds the Settings once (flags, then environment, then defaults: settings.py) and
+hands them down. The global options are accepted before or after the command name. No option may be
+abbreviated (`--model` is never taken for `--model-repository`).
+
+Exit status: the command's; 2 for a usage error, a bad setting, or a command whose extra is not
+installed (one line naming the extra to install).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
-from pathlib import Path
 
-#: console script -> (module whose main(argv) runs it, whether that main has its own --model-repository,
-#: the extra of pyproject.toml that installs what it imports)
-COMMANDS = {
-    "resnet18-serve": ("resnet18_kit.server.__main__", True, "serve"),
-    "resnet18-demo": ("resnet18_kit.demo", True, "serve"),
-    "resnet18-export": ("resnet18_kit.export.__main__", False, "export"),
-    "resnet18-classify": ("resnet18_kit.client.classify", False, "client"),
-    "resnet18-async-pipeline": ("resnet18_kit.client.async_pipeline", False, "client"),
-    "resnet18-bench": ("resnet18_kit.bench.__main__", False, "bench"),
-    "resnet18-evaluate": ("resnet18_kit.bench.evaluate", False, "bench"),
-    "resnet18-figures": ("resnet18_kit.bench.figures", False, "bench"),
-    "resnet18-lone-client": ("resnet18_kit.bench.lone_client", False, "bench"),
-    "resnet18-runtimes": ("resnet18_kit.bench.runtimes", False, "bench"),
-    "resnet18-shared-memory": ("resnet18_kit.bench.shared_memory", False, "bench"),
-    "resnet18-stub-profile": ("resnet18_kit.bench.stub_profile", False, "bench"),
-    "resnet18-reliability": ("resnet18_kit.reliability.__main__", False, "bench"),
-    "resnet18-soak": ("resnet18_kit.reliability.soak", False, "bench"),
-    "resnet18-plan": ("resnet18_kit.planner.__main__", False, "bench"),
-}
+from resnet18_kit.settings import LOG_LEVELS, Settings, SettingsError
+
+PROG = "resnet18-kit"
 #: The distribution whose extras install the commands' dependencies.
 DISTRIBUTION = "triton-resnet18-kit"
-#: The environment variables of resnet18_kit/contract.py (written out here so that setting them does not
-#: import the contract before they are set).
-FOLDER_ENV = {"model_repository": "RESNET18_KIT_MODEL_REPOSITORY", "results": "RESNET18_KIT_RESULTS"}
+#: command -> (module with add_arguments and run, the extra that installs what it imports, one-line help)
+COMMANDS = {
+    "serve": ("resnet18_kit.server.__main__", "serve",
+              "serve the model repository with Triton 2.51 (supervised) until Ctrl-C or SIGTERM"),
+    "demo": ("resnet18_kit.demo", "serve", "the main job: serve, classify the sample photos over HTTP and gRPC, stop"),
+    "export": ("resnet18_kit.export.__main__", "export",
+               "ResNet-18 -> ONNX, TorchScript and INT8 ONNX in the model repository, with parity checks"),
+    "classify": ("resnet18_kit.client.classify", "client", "top-k ImageNet labels for image files, from a server"),
+    "evaluate": ("resnet18_kit.bench.evaluate", "bench",
+                 "top-1 accuracy and agreement with FP32 of served variants on a labelled folder"),
+    "bench": ("resnet18_kit.bench.commands", "bench", "benchmarks: perf_analyzer sweeps and the client pipeline"),
+    "reliability": ("resnet18_kit.reliability.__main__", "bench",
+                    "overload, faults and shutdown against the real server, every request accounted for"),
+    "plan": ("resnet18_kit.planner.__main__", "bench", "capacity planner: profile, plan, validate"),
+    "figures": ("resnet18_kit.bench.figures", "bench", "the figures of docs/ from the newest results"),
+    "perf-analyzer": ("resnet18_kit.load.perf_analyzer", "bench",
+                      "the bundled perf_analyzer 2.51 with its library path set; arguments passed through"),
+}
+#: Global options: (flag, Settings field, help).
+GLOBAL_OPTIONS = (
+    ("--model-repository", "model_repository",
+     "the Triton model repository (default: the checkout's model_repository/, else ./model_repository; "
+     "$RESNET18_KIT_MODEL_REPOSITORY)"),
+    ("--results", "results", "where results go (default: the checkout's results/, else ./results; $RESNET18_KIT_RESULTS)"),
+    ("--log-level", "log_level", f"status lines on stderr at this level and up: {', '.join(LOG_LEVELS)} "
+                                 "(default INFO; $RESNET18_KIT_LOG_LEVEL)"),
+)
 
 
-def run(script: str, argv: list[str] | None = None) -> int:
-    """Run console script `script` (a key of COMMANDS) with `argv` (default sys.argv[1:]): take the folder
-    options out, export them, then call the command's main. A folder that does not exist for
-    --model-repository, or a library the command needs that is not installed (its extra was not), is one
-    line on stderr and exit status 2."""
-    module_name, own_repository_option, extra = COMMANDS[script]
+DESCRIPTION = """\
+Serve ResNet-18 on NVIDIA Triton Inference Server 2.51 (Python backend, dynamic batching) and classify,
+benchmark, stress and size it. `resnet18-kit <command> --help` tells each command's options.
+
+Global options go before or after the command; each also reads an environment variable (--help lists
+them). Exit status: the command's; 2 for a usage error, a bad setting or a missing extra."""
+EPILOG = """\
+examples:
+  resnet18-kit serve                                   # HTTP :8000, gRPC :8001, metrics :8002; Ctrl-C stops
+  resnet18-kit classify --url 127.0.0.1:8000 photo.jpg some/folder/
+  resnet18-kit --results /tmp/r bench run --quick      # about 7 minutes on 2 cores"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks (module docstrings are the help)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line ("resnet18-kit classify: error: ...", exit 2) and
+    that never abbreviates options; subcommand parsers made from it are Parsers too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """GLOBAL_OPTIONS on `parser`; with `suppress` they leave no default (so a value given before the
+    command is not overwritten by the subcommand's parser)."""
+    group = parser.add_argument_group("global options")
+    for flag, dest, help_text in GLOBAL_OPTIONS:
+        group.add_argument(flag, dest=dest, help=help_text, metavar="LEVEL" if dest == "log_level" else "DIR",
+                           type=str.upper if dest == "log_level" else None,
+                           default=argparse.SUPPRESS if suppress else None)
+
+
+def command_parser(subparsers, name: str, help_text: str, description: str | None = None,
+                   parents: tuple = ()) -> argparse.ArgumentParser:
+    """A subcommand's parser: no abbreviations, the description as written, the global options too."""
+    parser = subparsers.add_parser(name, help=help_text, description=description or help_text,
+                                   formatter_class=HelpFormatter, allow_abbrev=False, parents=list(parents))
+    add_global_options(parser, suppress=True)
+    return parser
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of the whole command; the options of `command` (a key of COMMANDS) added by importing its
+    module (ModuleNotFoundError when its extra is missing). Every other command is listed by name only."""
+    parser = Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
+    add_global_options(parser, suppress=False)
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>", required=True, title="commands")
+    for name, (module_name, _, help_text) in COMMANDS.items():
+        if name != command:
+            command_parser(subparsers, name, help_text)
+            continue
+        module = importlib.import_module(module_name)
+        sub = command_parser(subparsers, name, help_text, description=module.__doc__)
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def command_name(argv: list[str]) -> str | None:
+    """The command named in `argv`: the first word that is not a global option or its value."""
+    takes_value = {flag for flag, _, _ in GLOBAL_OPTIONS}
+    words = iter(argv)
+    for word in words:
+        if word in takes_value:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `resnet18-kit` with `argv` (default sys.argv[1:]); returns the exit status (module doc)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    folders = argparse.ArgumentParser(add_help=False)
-    folders.add_argument("--model-repository", type=Path)
-    folders.add_argument("--results", type=Path)
-    known, rest = folders.parse_known_args(argv)
-    if known.model_repository is not None:
-        if not known.model_repository.is_dir():
-            print(f"{script}: --model-repository: not a folder: {known.model_repository}", file=sys.stderr)
-            return 2
-        os.environ[FOLDER_ENV["model_repository"]] = str(known.model_repository.resolve())
-        if own_repository_option:
-            rest = ["--model-repository", str(known.model_repository), *rest]
-    if known.results is not None:
-        os.environ[FOLDER_ENV["results"]] = str(known.results.resolve())
-    sys.argv[0] = script
+    command = command_name(argv)
     try:
-        command = importlib.import_module(module_name)
+        parser = build_parser(command)
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] == "resnet18_kit":
             raise
-        print(f"{script}: needs the '{extra}' extra (no module {exc.name!r}): "
-              f"pip install '{DISTRIBUTION}[{extra}]' -c constraints.txt", file=sys.stderr)
+        return missing_extra(command, exc)
+    if command == "perf-analyzer":  # everything after the command goes to perf_analyzer untouched
+        index = argv.index(command)
+        args, rest = parser.parse_args(argv[:index + 1]), argv[index + 1:]
+        args.arguments = rest
+    else:
+        args = parser.parse_args(argv)
+    try:
+        settings = Settings.build({dest: getattr(args, dest, None) for _, dest, _ in GLOBAL_OPTIONS} |
+                                  {dest: getattr(args, dest, None) for dest in ("url", "protocol", "metrics_url")})
+    except SettingsError as exc:
+        print(f"{PROG} {command}: {exc}", file=sys.stderr)
         return 2
-    status = command.main(rest)
+    from resnet18_kit.progress import setup_logging
+
+    setup_logging(command, settings.log_level)
+    try:
+        status = args._run(settings, args)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] == "resnet18_kit":
+            raise
+        return missing_extra(command, exc)
+    except KeyboardInterrupt:
+        print(f"{PROG} {command}: interrupted", file=sys.stderr)
+        return 130
     return 0 if status is None else int(status)
 
 
-def _script(name: str):
-    def main() -> int:
-        return run(name)
-    main.__name__ = name.replace("-", "_")
-    main.__doc__ = f"`{name}`: `python -m {COMMANDS[name][0].removesuffix('.__main__')}` (see resnet18_kit.cli)."
-    return main
-
-
-serve, demo, export, classify, async_pipeline = (_script(n) for n in (
-    "resnet18-serve", "resnet18-demo", "resnet18-export", "resnet18-classify", "resnet18-async-pipeline"))
-bench, evaluate, figures, lone_client, runtimes, shared_memory, stub_profile = (_script(n) for n in (
-    "resnet18-bench", "resnet18-evaluate", "resnet18-figures", "resnet18-lone-client", "resnet18-runtimes",
-    "resnet18-shared-memory", "resnet18-stub-profile"))
-reliability, soak, plan = (_script(n) for n in ("resnet18-reliability", "resnet18-soak", "resnet18-plan"))
+def missing_extra(command: str, exc: ModuleNotFoundError) -> int:
+    """One line naming the extra that installs what `command` lacks; exit status 2."""
+    extra = COMMANDS[command][1]
+    print(f"{PROG} {command}: needs the '{extra}' extra (no module {exc.name!r}): "
+          f"pip install '{DISTRIBUTION}[{extra}]' -c constraints.txt", file=sys.stderr)
+    return 2

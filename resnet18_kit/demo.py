@@ -1,4 +1,4 @@
-"""python -m resnet18_kit.demo: the main job. Serve the model repository with Triton and classify real photos.
+"""resnet18-kit demo: the main job. Serve the model repository with Triton and classify real photos.
 
 Exports ResNet-18 if needed, starts the embedded tritonserver, sends the sample photos (from the
 scikit-image wheel) to the `resnet18` ensemble as concurrent single-image requests over HTTP and gRPC,
@@ -7,39 +7,42 @@ prints each photo's top-5, shows how the dynamic batcher grouped them (metrics e
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from resnet18_kit.client.classify import classify_files, format_predictions
 from resnet18_kit.observe.metrics import average_batch_size, model_counters
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, PROVENANCE_PATHS, results_dir, shown
-from resnet18_kit.server.__main__ import add_server_arguments, ensure_exported, parse_server_config
+from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
+from resnet18_kit.server.__main__ import add_server_arguments, prepared_server_config
+from resnet18_kit.settings import Settings, shown
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.server_log import cpu_only_explanation, is_cuda_notice
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo (module doc); exit status 0, 1 when a photo got no answer, 2 on a refused --host."""
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's options (serve's) and the number of requests in flight."""
     add_server_arguments(parser)
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    args, config = parse_server_config(parser, argv)
-    ensure_exported()
-    provenance = json.loads(PROVENANCE_PATHS[0].read_text())
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Run the demo (module doc); exit status 0, 1 when a photo got no answer, 2 for a bad environment
+    (a refused --host, a port taken, a failed export)."""
+    config = prepared_server_config(settings, args, command="demo")
+    if config is None:
+        return 2
+    provenance = settings.repository.provenance()
     weights = provenance["weights"]
     random_weights = weights.startswith("random:")
     if random_weights:  # said first, before any label is printed
         reason = provenance.get("weights_unavailable_reason") or "not recorded"
         print(f"demo: NOTE the model's weights are a seeded RANDOM init ({weights}): ImageNet weights were not "
               f"available\n      (reason: {reason}).\n      Every label below is meaningless and marked "
-              f"[random weights]; see README 'Weights'.", flush=True)
+              f"[random weights]; see docs/usage.md 'Weights'.", flush=True)
 
     photos = sample_photos()
     failures = 0
-    log_path = results_dir() / "demo-tritonserver.log"
-    log_path.parent.mkdir(exist_ok=True)
+    log_path = settings.results_dir("demo-tritonserver.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"demo: starting tritonserver (log: {shown(log_path)})", flush=True)
     log_start = log_path.stat().st_size if log_path.exists() else 0  # the log file is appended to
     with EmbeddedTritonServer(config, log_path=log_path):
@@ -70,9 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\ndemo: stopping the server")
     if random_weights:
         print("\ndemo: NOTE the weights are a seeded RANDOM init, so the labels above are meaningless; "
-              "see README 'Weights'.")
+              "see docs/usage.md 'Weights'.")
     return 1 if failures else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

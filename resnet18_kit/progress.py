@@ -1,15 +1,16 @@
-"""Progress with an ETA and log set-up for the long-running commands (python -m resnet18_kit.bench, reliability.soak,
-planner validate / profile).
+"""Progress with an ETA and the one log set-up of `resnet18-kit` (cli calls `setup_logging` once, with the
+global --log-level); progress for the long-running commands (bench run, reliability soak, plan validate /
+plan profile).
 
 `Progress` counts units of work done of a known total (perf_analyzer runs, load levels, seconds). On a
 terminal it draws a tqdm bar on stderr; when stderr is not a terminal (CI, `2> file`) tqdm draws nothing
 and each milestone is a log line instead, carrying the same count, elapsed time and ETA, so a captured
 log stays one readable line per step. `setup_logging` sends log records through `tqdm.write`, so a log
-line never tears the bar.
+line never tears the bar. Progress lines are log records (of the logger a Progress is given, under
+`resnet18_kit`), so they reach whatever the log goes to (stderr, `2> file`), not only the bar.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import threading
@@ -18,7 +19,6 @@ from typing import Callable
 
 from tqdm import tqdm
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: This project's packages: their loggers get the level asked for; other libraries stay at WARNING.
 PACKAGES = ("resnet18_kit",)
 
@@ -39,19 +39,10 @@ class TqdmLogHandler(logging.Handler):
             self.handleError(record)
 
 
-def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
-    """--log-level LEVEL and -v/--verbose (= --log-level DEBUG)."""
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
-                       help="status messages on stderr at this level and above: INFO progress milestones, "
-                            "WARNING problems, DEBUG details (default INFO)")
-    group.add_argument("-v", "--verbose", dest="log_level", action="store_const", const="DEBUG",
-                       help="same as --log-level DEBUG")
-
-
 def setup_logging(command: str, level: str | int = "INFO") -> None:
     """Log records of this project's packages at `level` and above, of other libraries at WARNING and
-    above, to stderr as "HH:MM:SS <command> LEVEL message". Calling it again replaces the set-up."""
+    above, to stderr as "HH:MM:SS <command> LEVEL message". Called once, by resnet18_kit.cli, for the
+    command run; calling it again replaces the set-up."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, TqdmLogHandler)]:
         root.removeHandler(handler)

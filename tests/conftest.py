@@ -3,7 +3,6 @@ Test files share code through these fixtures and the product's public modules, n
 this file or each other."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -14,12 +13,13 @@ import torch
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.client.errors import InvalidInputError
 from resnet18_kit.contract import PROTOCOLS
-from resnet18_kit.contract import PROVENANCE_PATHS, missing_artifacts
 from resnet18_kit.export.resnet18 import model_from_spec
 from resnet18_kit.observe.processes import child_processes
 from resnet18_kit.reliability import RELIABILITY_REPOSITORY
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 from resnet18_kit.server.resources import python_backend_regions
+from resnet18_kit.repository import ModelRepository
+from resnet18_kit.settings import Settings
 
 #: Test-only models (e.g. resnet18_slow_stub), served beside the product's model repository.
 TEST_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
@@ -44,11 +44,24 @@ def nothing_left_behind():
 
 
 @pytest.fixture(scope="session")
-def triton_server(tmp_path_factory):
-    missing = missing_artifacts()
+def settings() -> Settings:
+    """The settings a command would get with no flags and this environment (the checkout's folders)."""
+    return Settings.build()
+
+
+@pytest.fixture(scope="session")
+def repository(settings) -> ModelRepository:
+    """The shipped model repository (with the exported files: `make test` runs the export first)."""
+    return settings.repository
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, repository):
+    missing = repository.missing_artifacts()
     if missing:
         pytest.fail(f"model files missing ({', '.join(map(str, missing))}): run `make export` first")
-    config = config_on_free_ports(extra_model_repositories=(TEST_MODEL_REPOSITORY, RELIABILITY_REPOSITORY))
+    config = config_on_free_ports(model_repository=repository.root,
+                                  extra_model_repositories=(TEST_MODEL_REPOSITORY, RELIABILITY_REPOSITORY))
     server = EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("triton") / "tritonserver.log")
     server.start()
     yield server
@@ -79,9 +92,9 @@ def client(triton_server, protocol):
 
 
 @pytest.fixture(scope="session")
-def eager_model() -> torch.nn.Module:
+def eager_model(repository) -> torch.nn.Module:
     """The eager torch model the exports were made from (same weights, per provenance.json)."""
-    return model_from_spec(json.loads(PROVENANCE_PATHS[0].read_text())["weights"])
+    return model_from_spec(repository.provenance()["weights"])
 
 
 @pytest.fixture(scope="session")

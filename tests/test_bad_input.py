@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client.classifier import TritonClassifierClient, protocol_module
 from resnet18_kit.client.errors import InvalidInputError, from_triton
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ONNX_MODEL, TORCHSCRIPT_MODEL
@@ -40,10 +40,11 @@ def test_bad_image_is_invalid_argument_naming_the_problem(client, eager_model, n
 
 def raw_tensor_request(client, model: str, array: np.ndarray, datatype: str):
     """Send `array` as it is (no client-side checks or casts); tritonclient's error as a typed one."""
-    request = client._module.InferInput("input", list(array.shape), datatype)
+    module = protocol_module(client.protocol)
+    request = module.InferInput("input", list(array.shape), datatype)
     request.set_data_from_numpy(array)
     try:
-        return client.raw.infer(model, [request], outputs=[client._module.InferRequestedOutput("logits")])
+        return client.raw.infer(model, [request], outputs=[module.InferRequestedOutput("logits")])
     except InferenceServerException as exc:
         raise from_triton(exc) from None
 

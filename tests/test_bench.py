@@ -1,15 +1,18 @@
 """The benchmark wrapper: perf_analyzer CSV parsing, the config switch, and a short real perf_analyzer run."""
+import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from resnet18_kit.bench.__main__ import levels_for, served_config
+from resnet18_kit.bench.sweeps import config_names, levels_for, local_batching
 from resnet18_kit.load.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, command, load_profile_export,
                                  parse_csv, perf_analyzer_binary, run_level)
+from resnet18_kit.observe.model_config import ModelConfigView, served_config
 from resnet18_kit.observe.statistics import model_statistics, statistics_delta
 from resnet18_kit.client.classifier import TritonClassifierClient
-from resnet18_kit.contract import ONNX_MODEL
+from resnet18_kit.contract import ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 DATA = Path(__file__).parent / "data"
@@ -56,9 +59,16 @@ def test_concurrency_levels_stop_at_twice_the_max_batch_and_the_queue():
     assert levels_for(32, 128, quick=False, instances=2) == (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def test_config_switch_is_what_the_server_loaded(tmp_path):
+def test_swept_configs_are_the_repositorys_cpu_variants(repository):
+    """`bench run` sweeps "default", then the model's variants (ModelRepository.variant_names) but gpu."""
+    names = config_names(repository, ONNX_MODEL)
+    assert names[0] == "default" and set(names) == set(repository.variant_names(ONNX_MODEL)) - {"gpu"}
+    assert local_batching(repository, ONNX_MODEL, "throughput").max_batch_size == 32
+
+
+def test_config_switch_is_what_the_server_loaded(tmp_path, repository):
     """--model-config-name=throughput really serves configs/throughput.pbtxt (read back from the server)."""
-    config = config_on_free_ports(model_config_name="throughput")
+    config = config_on_free_ports(model_config_name="throughput", model_repository=repository.root)
     with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log"):
         with TritonClassifierClient(config.http_url, "http") as client:
             served = served_config(client, ONNX_MODEL)
@@ -115,9 +125,7 @@ def test_stub_profile_classifies_py_spy_samples(tmp_path):
 def test_a_profile_export_cut_off_keeps_the_complete_requests(tmp_path):
     """perf_analyzer 2.51 can exit 0 with --profile-export-file cut at 64 KiB: the requests recorded
     whole before the cut are kept, the one cut in half is dropped, and the result says it was cut."""
-    import json
-
-    from resnet18_kit.load.perf_analyzer import latency_stats_us, load_profile_export
+    from resnet18_kit.load.perf_analyzer import latency_stats_us
 
     requests = [{"timestamp": 1_000_000 * i, "request_inputs": {"INPUT": 0.5},
                  "response_timestamps": [1_000_000 * i + 2000], "response_outputs": [{"OUTPUT": 0.5}]}
@@ -162,7 +170,6 @@ def test_bytes_input_data_holds_each_photo_as_a_length_prefixed_serialized_tenso
     """--input-data JSON: one entry per photo, in order; b64 decodes to a 4-byte little-endian length
     followed by exactly the file's bytes (Triton's serialized BYTES element); shape [1]."""
     import base64
-    import json
     import struct
 
     from resnet18_kit.load.photos import write_input_data
@@ -231,20 +238,17 @@ def test_concurrent_executions_follow_the_rate_limiter():
     assert concurrent_executions(config(mixed)) == 2  # 2 available: the two asking for 1 fit together
 
 
-def test_inprocess_pipeline_on_two_photos_uses_the_variants_runtime():
-    import math
-
-    from resnet18_kit.observe.model_config import config_parameters, instance_count, variant_config
+def test_inprocess_pipeline_on_two_photos_uses_the_variants_runtime(repository):
     from resnet18_kit.bench.pipeline_inprocess import PipelineTwin
     from resnet18_kit.client.samples import sample_photos
-    from resnet18_kit.contract import ONNX_PATH, PREPROCESS_MODEL, runtimes
 
-    twin = PipelineTwin("default")
-    network = variant_config(ONNX_MODEL, "default")
-    assert twin.spec == runtimes().RuntimeSpec.from_parameters(config_parameters(network), ONNX_PATH.parent)
+    twin = PipelineTwin(repository, "default")
+    network = ModelConfigView.for_variant(repository, ONNX_MODEL, "default")
+    spec = repository.runtimes().RuntimeSpec.from_parameters(network.parameters, repository.onnx_path.parent)
+    assert twin.spec == spec
     assert twin.spec.allow_spinning is False  # config.pbtxt's allow_spinning "0" reached the runtime
     assert twin.batch_size == network.max_batch_size
-    assert twin.decode_threads == instance_count(variant_config(PREPROCESS_MODEL, "default"))
+    assert twin.decode_threads == ModelConfigView.for_variant(repository, PREPROCESS_MODEL, "default").instance_count()
     photos = [p.read_bytes() for p in sample_photos(("rocket.jpg", "chelsea.png"))]
     result = twin.measure(photos, saturation_s=1.0, batch1_s=0.5)
     assert result["saturation_img_per_s"] > 0 and math.isfinite(result["saturation_img_per_s"])
@@ -279,8 +283,6 @@ def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on
 def test_pipeline_report_and_targets_from_a_summary(tmp_path):
     """report.md and both plots from a summary with only the end-to-end part (--skip-tensor-sweeps);
     the targets take the fastest variant."""
-    import json
-
     from resnet18_kit.bench.pipeline import pipeline_targets, summarize_protocol
     from resnet18_kit.bench.report import write_report
 
@@ -314,7 +316,7 @@ def test_pipeline_report_and_targets_from_a_summary(tmp_path):
     machine = {"triton_version": "2.51.0", "cpu": "test", "cores": 2, "gpu": None, "python": "3", "onnxruntime": "1",
                "torch": "2", "cpu_during_run": {"busy": 0.5, "steal": 0.0}}
     (tmp_path / "summary.json").write_text(json.dumps({
-        "command": "python -m resnet18_kit.bench --skip-tensor-sweeps", "started_utc": "now", "elapsed_s": 1.0, "model": ONNX_MODEL,
+        "command": "resnet18-kit bench run --skip-tensor-sweeps", "started_utc": "now", "elapsed_s": 1.0, "model": ONNX_MODEL,
         "machine": machine, "configs": [], "inprocess": [], "targets": [], "pipeline": pipeline}))
     report = write_report(tmp_path).read_text()
     assert "| int8 | 12mp | grpc | 16 | 70.0 | 150.0 | 300.0 | 16.0 | 8.0 | 4.0 | 16.0 | 8.0 | 4.0 | 90% |" in report
@@ -323,7 +325,7 @@ def test_pipeline_report_and_targets_from_a_summary(tmp_path):
 
 
 def _tensor_config(name: str, max_batch_size: int, levels: tuple[int, ...]) -> dict:
-    """A config of summary.json's "configs" (resnet18_kit/bench/__main__.py run_config): per level perf_analyzer's
+    """A config of summary.json's "configs" (resnet18_kit/bench/sweeps.py run_config): per level perf_analyzer's
     breakdown (us), throughput rising with the level, the batch sizes the server formed."""
     rows = []
     for level in levels:

@@ -1,12 +1,14 @@
 """The client API (client.classifier) over HTTP and gRPC, blocking and asyncio, against the real server:
-health, metadata, classification, tensors, shared memory, back-pressure retries, deadlines, and the
-classify CLI's exit codes."""
+health, metadata, classification, tensors, shared memory, back-pressure retries, deadlines, what the served
+config says about the weights, and `resnet18-kit classify`: its output and every error as one line."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,13 +18,15 @@ import pytest
 import torch
 from PIL import Image
 
+from resnet18_kit.cli import main
 from resnet18_kit.client.backoff import RetryPolicy
 from resnet18_kit.client.async_client import AsyncTritonClassifierClient
-from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client.classifier import Prediction, TritonClassifierClient
+from resnet18_kit.client.classify import format_predictions, json_line
 from resnet18_kit.client.errors import DeadlineExceededError, QueueFullError
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT
-from resnet18_kit.contract import PROTOCOLS
+from resnet18_kit.client.urls import host_port
+from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PROTOCOLS, REPO_ROOT
 from resnet18_kit.export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
 from resnet18_kit.server.embedded import free_ports
 
@@ -202,11 +206,60 @@ def test_expired_deadline_raises_the_typed_error(triton_server, protocol, api):
     time.sleep(0.2)  # let the stub finish the abandoned request before the next test uses it
 
 
-# -- the classify CLI -----------------------------------------------------------------------------------
+# -- served config: random weights, read from the server --------------------------------------------------
+
+def served_answers(configs: dict[str, dict]):
+    """A TritonClassifierClient whose Calls are answered from `configs` (model -> HTTP JSON config), no server."""
+    client = TritonClassifierClient("127.0.0.1:1", "http")
+    client._perform = lambda call: configs[call.args[0]] if call.name == "get_model_config" else None
+    return client
+
+
+ENSEMBLE_JSON = {"name": "resnet18", "platform": "ensemble", "max_batch_size": 16,
+                 "ensemble_scheduling": {"step": [{"model_name": "preprocess"}, {"model_name": "resnet18_onnx"}]}}
+
+
+def with_weights(config: dict, value: str) -> dict:
+    return {**config, "parameters": {"weights_meaningful": {"string_value": value}}}
+
+
+@pytest.mark.parametrize("where, value, expected", [
+    ("ensemble", "false", False), ("ensemble", "true", True), ("step", "false", False), ("step", "true", True),
+    ("nowhere", "", None)])
+def test_weights_meaningful_comes_from_the_served_configs(where, value, expected):
+    configs = {"resnet18": ENSEMBLE_JSON, "preprocess": {"name": "preprocess", "backend": "python"},
+               "resnet18_onnx": {"name": "resnet18_onnx", "backend": "python"}}
+    if where == "ensemble":
+        configs["resnet18"] = with_weights(ENSEMBLE_JSON, value)
+    elif where == "step":
+        configs["resnet18_onnx"] = with_weights(configs["resnet18_onnx"], value)
+    with served_answers(configs) as client:
+        assert client.weights_meaningful("resnet18") is expected
+
+
+def test_weights_meaningful_of_the_real_server_is_what_the_export_recorded_or_unknown(client, repository):
+    assert client.weights_meaningful() in (None, repository.weights_meaningful())
+
+
+def test_served_config_view_drives_timeout_and_region_sizes(client):
+    view = client.model_config_view(ONNX_MODEL)
+    assert view.max_batch_size == 16 and view.timeout_override_allowed
+
+
+# -- the classify command ---------------------------------------------------------------------------------
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "resnet18_kit.client.classify", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "resnet18_kit", "--log-level", "WARNING", "classify", *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line(result: subprocess.CompletedProcess, status: int, message: str) -> None:
+    """Exit `status`, nothing on stdout, one line on stderr containing `message`, no traceback."""
+    assert result.returncode == status, (result.returncode, result.stderr)
+    assert result.stdout == "", result.stdout
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("resnet18-kit classify: "), lines[0]
 
 
 def test_cli_classifies_files_and_folders_as_json_lines(triton_server, tmp_path, photos_and_eager_top5):
@@ -215,16 +268,37 @@ def test_cli_classifies_files_and_folders_as_json_lines(triton_server, tmp_path,
     folder.mkdir()
     for photo in photos[1:]:
         (folder / photo.name).write_bytes(photo.read_bytes())
+    (folder / "notes.txt").write_text("not an image")
     result = run_cli("--protocol", "grpc", "--url", triton_server.config.grpc_url, "--json",
                      "--concurrency", "4", str(photos[0]), str(folder))
     assert result.returncode == 0, result.stderr
-    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]  # stdout: JSON lines and nothing else
     assert len(lines) == len(photos)
     by_name = {Path(line["file"]).name: line for line in lines}
     for photo, expected in zip(photos, photos_and_eager_top5[1]):
         predictions = by_name[photo.name]["predictions"]
         assert [p["class_index"] for p in predictions] == expected
         assert all(0 < p["probability"] < 1 and isinstance(p["logit"], float) for p in predictions)
+    assert all(line["weights_meaningful"] in (None, True, False) for line in lines)
+    assert result.stderr.count("notes.txt") == 1 and "skipped 1 file" in result.stderr
+
+
+def test_cli_model_option_is_the_model_not_the_repository(triton_server):
+    """`--model resnet18` was once taken for `--model-repository` (argparse prefix matching)."""
+    result = run_cli("--url", triton_server.config.http_url, "--model", "resnet18", "--top-k", "2",
+                     str(sample_photos()[0]))
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 3 and "1. " in result.stdout and "2. " in result.stdout
+
+
+def test_cli_sends_avif_files_of_a_folder_and_names_what_it_skips(triton_server, tmp_path):
+    Image.open(sample_photos()[0]).convert("RGB").save(tmp_path / "cat.avif")
+    (tmp_path / "readme.md").write_text("# not an image")
+    result = run_cli("--url", triton_server.config.http_url, "--json", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    (line,) = [json.loads(text) for text in result.stdout.splitlines()]
+    assert line["file"].endswith("cat.avif") and len(line["predictions"]) == 5
+    assert result.stderr.count("readme.md") == 1
 
 
 def test_cli_exits_1_when_an_image_fails(triton_server, tmp_path):
@@ -234,40 +308,75 @@ def test_cli_exits_1_when_an_image_fails(triton_server, tmp_path):
     assert result.returncode == 1
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert "predictions" in lines[0] and lines[1]["status"] == "400" and "broken.jpg" in lines[1]["file"]
+    assert [line for line in result.stderr.splitlines() if "broken.jpg" in line], result.stderr
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_cli_exits_2_when_the_server_is_unreachable(protocol):
     (port,) = free_ports(1)
     result = run_cli("--protocol", protocol, "--url", f"127.0.0.1:{port}", str(sample_photos()[0]))
-    assert result.returncode == 2
-    assert "cannot reach a Triton server" in result.stderr and result.stdout == ""
+    assert_one_line(result, 2, f"cannot reach a Triton server at 127.0.0.1:{port} ({protocol})")
+
+
+def test_cli_exits_2_for_a_host_that_does_not_resolve():
+    result = run_cli("--url", "no-such-host.invalid:8000", str(sample_photos()[0]))
+    assert_one_line(result, 2, "cannot reach a Triton server at no-such-host.invalid:8000 (http)")
+
+
+@pytest.mark.parametrize("protocol, port", [("http", "grpc"), ("http", "metrics"), ("grpc", "http"), ("grpc", "metrics")])
+def test_cli_pointed_at_another_port_of_the_server_is_one_line(triton_server, protocol, port):
+    """HTTP spoken to the gRPC port was a 41-line traceback, to the metrics port rapidjson's."""
+    config = triton_server.config
+    address = {"http": config.http_url, "grpc": config.grpc_url,
+               "metrics": config.metrics_url.split("//", 1)[1].split("/", 1)[0]}[port]
+    result = run_cli("--protocol", protocol, "--url", address, str(sample_photos()[0]))
+    assert_one_line(result, 2, f"{address} does not answer as a Triton {'HTTP' if protocol == 'http' else 'gRPC'}")
+
+
+def test_cli_pointed_at_another_http_server_is_one_line():
+    (port,) = free_ports(1)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = run_cli("--url", f"127.0.0.1:{port}", str(sample_photos()[0]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert_one_line(result, 2, f"127.0.0.1:{port} does not answer as a Triton HTTP endpoint")
 
 
 def test_cli_exits_2_when_the_model_is_not_ready(triton_server):
-    result = run_cli("--url", triton_server.config.http_url, "--model", "no_such_model",
-                     str(sample_photos()[0]))
-    assert result.returncode == 2 and "not ready" in result.stderr
+    result = run_cli("--url", triton_server.config.http_url, "--model", "no_such_model", str(sample_photos()[0]))
+    assert_one_line(result, 2, "model 'no_such_model' is not ready")
+
+
+@pytest.mark.parametrize("top_k", ["0", "-1", "1001"])
+def test_cli_refuses_top_k_outside_1_to_1000_before_sending(top_k):
+    (port,) = free_ports(1)  # nothing listens: the refusal comes before any connection
+    result = run_cli("--url", f"127.0.0.1:{port}", "--top-k", top_k, str(sample_photos()[0]))
+    assert_one_line(result, 2, f"--top-k {top_k}: give 1..1000")
+
+
+def test_cli_given_no_image_files_says_so(tmp_path):
+    (tmp_path / "notes.txt").write_text("not an image")
+    result = run_cli(str(tmp_path))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines()[-1] == f"resnet18-kit classify: no image files in {tmp_path}"
 
 
 @pytest.mark.parametrize("url,message", [
-    ("https://127.0.0.1:8000", "scheme https:// does not match the protocol http"),
+    ("https://127.0.0.1:8000", "give host:port"),
     ("127.0.0.1", "give host:port"),
     ("127.0.0.1:8000/v2", "give host:port"),
 ])
 def test_classify_refuses_a_bad_url_in_one_line(url, message, capsys):
-    from resnet18_kit.client.classify import main as classify_main
-    from resnet18_kit.client.samples import sample_photos
-
-    assert classify_main(["--url", url, str(sample_photos()[0])]) == 2
+    assert main(["classify", "--url", url, str(sample_photos()[0])]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
 
 
 def test_a_url_with_the_protocols_scheme_is_accepted(triton_server):
-    from resnet18_kit.client.classifier import TritonClassifierClient
-    from resnet18_kit.client.urls import host_port
-
     assert host_port("http://127.0.0.1:8000/", "http") == "127.0.0.1:8000"
     assert host_port("grpc://[::1]:8001", "grpc") == "[::1]:8001"
     with TritonClassifierClient("http://" + triton_server.config.http_url, "http") as client:
@@ -275,12 +384,14 @@ def test_a_url_with_the_protocols_scheme_is_accepted(triton_server):
 
 
 def test_printed_predictions_carry_the_random_weights_mark():
-    from resnet18_kit.client.classifier import Prediction
-    from resnet18_kit.client.classify import format_predictions
-
     predictions = [Prediction(label="tabby", class_index=281, probability=0.8734, logit=2.5)]
     marked = format_predictions("cat.png", predictions, "[random weights]").splitlines()
     assert marked == ["cat.png",
                       "  1. tabby                           87.34 %  (logit   2.500, class 281) [random weights]"]
     assert "random" not in format_predictions("cat.png", predictions)
 
+
+def test_json_lines_carry_weights_meaningful():
+    line = json.loads(json_line(Path("a.png"), [Prediction("tabby", 281, 0.5, 2.0)], False))
+    assert line["weights_meaningful"] is False and line["predictions"][0]["class_index"] == 281
+    assert json.loads(json_line(Path("b.png"), FileNotFoundError(2, "No such file")))["weights_meaningful"] is None

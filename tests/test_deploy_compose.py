@@ -23,8 +23,12 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from resnet18_kit.contract import ALL_MODELS, MODEL_REPOSITORY, PREPROCESS_MODEL, REPO_ROOT, variant_names
+from resnet18_kit.contract import ALL_MODELS, PREPROCESS_MODEL, REPO_ROOT
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import config_parameters, instance_count, variant_config
+
+#: The shipped model repository of this checkout (what deployments carry).
+SHIPPED = ModelRepository(REPO_ROOT / "model_repository")
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yaml"
 DEPLOY = REPO_ROOT / "deploy"
@@ -143,7 +147,7 @@ def test_compose_services(compose):
     assert perf["depends_on"]["triton"]["condition"] == "service_healthy"
     assert perf["profiles"] == ["perf"]
     assert ports(triton) == {("127.0.0.1", p, p) for p in (8000, 8001, 8002)}
-    repository = (str(MODEL_REPOSITORY), "/models", True)
+    repository = (str(SHIPPED.root), "/models", True)
     assert repository in volumes(triton) and repository in volumes(check)
     assert str(REPO_ROOT / "results") in {source for source, _, _ in volumes(perf)}
     devices = triton["deploy"]["resources"]["reservations"]["devices"]
@@ -165,7 +169,7 @@ def test_compose_requires_the_admin_key(compose_parser):
     assert "TRITON_ADMIN_KEY" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("name", sorted({v for m in ALL_MODELS for v in variant_names(m)} - {"default"}))
+@pytest.mark.parametrize("name", sorted(set(SHIPPED.variant_names()) - {"default"}))
 def test_compose_config_variant_and_address_from_the_environment(compose_parser, name):
     services = rendered_compose(compose_parser, TRITON_MODEL_CONFIG_NAME=name,
                                 TRITON_PUBLISH_ADDRESS="0.0.0.0")["services"]
@@ -230,7 +234,7 @@ def test_shm_covers_the_python_backend_stubs(compose):
     region = int(re.search(r"shm-default-byte-size=(\d+)", " ".join(args)).group(1))
     needed = 0
     for model in ALL_MODELS:
-        config = variant_config(model, "default")  # default configs: the most Python-backend models
+        config = variant_config(SHIPPED, model, "default")  # default configs: the most Python-backend models
         if config.backend != "python":
             continue
         instances = instance_count(config) or 1

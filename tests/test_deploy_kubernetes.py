@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from resnet18_kit.contract import ALL_MODELS, PREPROCESS_MODEL, REPO_ROOT
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import variant_config
 
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
@@ -40,6 +41,9 @@ SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
 PROMETHEUS_RULE = ("monitoring.coreos.com/v1", "PrometheusRule")
 CUSTOM_KINDS = {SERVICE_MONITOR, PROMETHEUS_RULE}
 DURATION = r"(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?"
+
+#: The shipped model repository of this checkout.
+SHIPPED = ModelRepository(REPO_ROOT / "model_repository")
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -267,7 +271,7 @@ def test_hpa_target_follows_the_batching_of_the_configs_the_overlay_loads(path):
     (metric,) = kind(objects, "HorizontalPodAutoscaler")["spec"]["metrics"]
     target = int(metric["pods"]["target"]["averageValue"])
     for model in ALL_MODELS:
-        config = variant_config(model, variant)
+        config = variant_config(SHIPPED, model, variant)
         if config.platform == "ensemble":
             continue
         batching = config.dynamic_batching

@@ -23,11 +23,14 @@ import pytest
 import tritonclient.http as httpclient
 import yaml
 
-from resnet18_kit.contract import (ALL_MODELS, ENSEMBLE_MODEL, GENERATED, IMAGE_INPUT, LOGITS_OUTPUT, MODEL_REPOSITORY,
-                                   PREPROCESS_MODEL, PROBABILITIES_OUTPUT, PROVENANCE_PATHS, REPO_ROOT, TRITON_VERSION,
-                                   variant_exists)
+from resnet18_kit.contract import (ALL_MODELS, ENSEMBLE_MODEL, IMAGE_INPUT, LOGITS_OUTPUT, PREPROCESS_MODEL,
+                                   PROBABILITIES_OUTPUT, REPO_ROOT, TRITON_VERSION)
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import config_parameters, variant_config
 from resnet18_kit.server.embedded import library_path, server_environment, tritonserver_binary
+
+#: The shipped model repository of this checkout (what deployments carry).
+SHIPPED = ModelRepository(REPO_ROOT / "model_repository")
 
 DEPLOY = REPO_ROOT / "deploy"
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yaml"
@@ -159,7 +162,7 @@ def test_compose_and_kubernetes_pass_the_same_server_arguments(compose_parser, r
 
 
 def test_http_max_input_size_is_the_preprocess_image_limit_plus_the_envelope(compose_parser):
-    max_image_bytes = int(config_parameters(variant_config(PREPROCESS_MODEL, "default"))["max_image_bytes"])
+    max_image_bytes = int(config_parameters(variant_config(SHIPPED, PREPROCESS_MODEL, "default"))["max_image_bytes"])
     expected = max_image_bytes + REQUEST_ENVELOPE_BYTES
     compose = flag_value(compose_services(compose_parser, "26.08")["triton"]["command"], "--http-max-input-size")
     assert compose == [str(expected)], f"--http-max-input-size {compose}, preprocess max_image_bytes {max_image_bytes}"
@@ -173,7 +176,7 @@ def test_http_max_input_size_is_the_preprocess_image_limit_plus_the_envelope(com
         [image], outputs=outputs, request_id=str(uuid.uuid4()), parameters={"timeout": 30_000_000})
     assert max_image_bytes < len(body) <= expected, (len(body), json_size)
     assert expected < TRITON_DEFAULT_MAX_INPUT_BYTES  # tighter than Triton's 64 MB default
-    assert ENSEMBLE_MODEL in ALL_MODELS and variant_config(ENSEMBLE_MODEL, "default").input[0].name == IMAGE_INPUT
+    assert ENSEMBLE_MODEL in ALL_MODELS and variant_config(SHIPPED, ENSEMBLE_MODEL, "default").input[0].name == IMAGE_INPUT
 
 
 def shell_script(script: str, models_dir: Path) -> str:
@@ -194,7 +197,7 @@ def test_artifact_check_refuses_to_start_without_the_export(compose_parser, wher
         script = init["args"][0]
     script = shell_script(script, tmp_path)
     # Exactly the files resnet18_kit/contract.py says the export writes, provenance records aside.
-    model_files = sorted(str(p.relative_to(MODEL_REPOSITORY)) for p in GENERATED if p not in PROVENANCE_PATHS)
+    model_files = sorted(str(p.relative_to(SHIPPED.root)) for p in SHIPPED.generated if p not in SHIPPED.provenance_paths)
     for name in model_files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"x")
@@ -240,7 +243,7 @@ def test_arguments_name_only_models_and_configs_that_exist(compose_parser):
     all_args = [services["triton"]["command"]] + [kubernetes_args(p) for ps in OVERLAYS.values() for p in ps]
     for args in all_args:
         for variant in flag_value(args, "--model-config-name"):
-            assert variant_exists(variant), f"--model-config-name={variant}: no model_repository/*/configs/{variant}.pbtxt"
+            assert variant in SHIPPED.variant_names(), f"--model-config-name={variant}: no model_repository/*/configs/{variant}.pbtxt"
         for model in flag_value(args, "--load-model"):
             assert model in ALL_MODELS
         assert flag_value(args, "--model-repository") == ["/models"]

@@ -1,8 +1,8 @@
-"""python -m resnet18_kit.bench.evaluate: scoring on crafted logits, class-folder labels, command-line errors, and one
+"""`resnet18-kit evaluate`: scoring on crafted logits, class-folder labels, command-line errors, and one
 end-to-end run (a served default server against the embedded default reference) on the sample photos.
 
 Two tritonserver starts in the whole file: the module's `served` server, and the reference server that
-bench.evaluate starts itself.
+the command starts itself.
 """
 from __future__ import annotations
 
@@ -14,12 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from resnet18_kit.bench.evaluate import (WNIDS_PATH, class_of_folder, folder_labels, known_variants, load_wnids, main,
-                            summarize, topk_accuracy)
+from resnet18_kit.bench.evaluate import (RANDOM_WEIGHTS_NOTE, class_of_folder, folder_labels, load_wnids, summarize,
+                                         topk_accuracy, wnids_path)
+from resnet18_kit.cli import main as kit_main
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.contract import missing_artifacts
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports, free_ports
+
+
+def main(argv: list[str]) -> int:
+    """`resnet18-kit evaluate ARGV` in this process (its output captured by capsys)."""
+    return kit_main(["evaluate", *argv])
 
 
 def test_topk_accuracy_by_hand() -> None:
@@ -50,24 +55,26 @@ def test_summarize_leaves_out_refused_and_unlabelled(tmp_path: Path) -> None:
     assert row["max_abs_logit_diff"] == 2.5
 
 
-def test_wnids_file() -> None:
-    lines = WNIDS_PATH.read_text().splitlines()
+def test_wnids_file(repository) -> None:
+    lines = wnids_path(repository).read_text().splitlines()
     assert len(lines) == 1000 and len(set(lines)) == 1000 and lines == sorted(lines)
     assert all(re.fullmatch(r"n\d{8}", line) for line in lines)
     assert lines[0] == "n01440764" and lines[281] == "n02123045"  # tench, tabby
-    assert load_wnids()["n02123045"] == 281
+    assert load_wnids(wnids_path(repository))["n02123045"] == 281
 
 
-def test_folder_labels_by_index_and_by_wnid(tmp_path: Path) -> None:
+def test_folder_labels_by_index_and_by_wnid(tmp_path: Path, repository) -> None:
     for name in ("0", "281/sub", "999", "n01440764", "n02123045"):
         (tmp_path / name).mkdir(parents=True)
     files = [tmp_path / p for p in ("0/a.png", "281/sub/b.png", "999/c.png", "n01440764/d.png",
                                     "n02123045/e.png", "loose.png")]
-    assert folder_labels(tmp_path, files).tolist() == [0, 281, 999, 0, 281, -1]
-    assert class_of_folder("1000", load_wnids()) is None and class_of_folder("n99999999", load_wnids()) is None
+    wnids_file = wnids_path(repository)
+    assert folder_labels(tmp_path, files, wnids_file).tolist() == [0, 281, 999, 0, 281, -1]
+    wnids = load_wnids(wnids_file)
+    assert class_of_folder("1000", wnids) is None and class_of_folder("n99999999", wnids) is None
     (tmp_path / "__pycache__").mkdir()                        # no images in it: not a class folder
-    assert folder_labels(tmp_path, files).tolist() == [0, 281, 999, 0, 281, -1]
-    assert folder_labels(tmp_path, [tmp_path / "x.png"]) is None  # no image in a subfolder: unlabelled
+    assert folder_labels(tmp_path, files, wnids_file).tolist() == [0, 281, 999, 0, 281, -1]
+    assert folder_labels(tmp_path, [tmp_path / "x.png"], wnids_file) is None  # no image in a subfolder: unlabelled
 
 
 def _one_line_error(capsys) -> str:
@@ -91,6 +98,7 @@ def test_bad_class_folder_exits_2(tmp_path: Path, capsys) -> None:
     (["{photos}", "--variants", "no_such_variant"], "unknown variant 'no_such_variant'"),
     (["{photos}", "--url", "127.0.0.1:{port}"], "--url 127.0.0.1:"),
     (["{photos}", "--url", "127.0.0.1:{port}", "--protocol", "grpc"], "--url 127.0.0.1:"),
+    (["{photos}", "--url", "127.0.0.1:{port}", "--variants", "int8"], "--variants and --url exclude each other"),
 ])
 def test_command_line_errors_exit_2(tmp_path: Path, capsys, args: list[str], expected: str) -> None:
     (tmp_path / "empty").mkdir()
@@ -102,28 +110,24 @@ def test_command_line_errors_exit_2(tmp_path: Path, capsys, args: list[str], exp
     assert expected in _one_line_error(capsys)
 
 
-def test_known_variants() -> None:
-    assert {"default", "latency", "throughput"} <= set(known_variants())
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, repository):
     """A running default server: the `--url` target (start 1 of 2)."""
-    if missing_artifacts():
+    if repository.missing_artifacts():
         pytest.fail("model files missing: run `make export` first")
-    config = config_on_free_ports()
+    config = config_on_free_ports(model_repository=repository.root)
     with EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("served") / "tritonserver.log") as server:
         yield server
 
 
-def test_end_to_end_default_against_itself(served, tmp_path: Path, capsys) -> None:
+def test_end_to_end_default_against_itself(served, repository, tmp_path: Path, capsys) -> None:
     photos = sample_photos()
     with TritonClassifierClient(served.config.http_url, "http") as client:
         top5 = [[p.class_index for p in row] for row in client.classify([p.read_bytes() for p in photos])]
     # Labels chosen from the server's own ranking, so the expected accuracy is known by hand:
     # photo 0 in its top-1 class (hit, index-named folder), photo 1 in its 3rd class (top-5 hit only,
     # wnid-named folder), photos 2.. in a class outside their top 5 (miss).
-    wnids = WNIDS_PATH.read_text().split()
+    wnids = wnids_path(repository).read_text().split()
     folders = [str(top5[0][0]), wnids[top5[1][2]]]
     folders += [str(next(c for c in range(1000) if c not in row)) for row in top5[2:]]
     folder = tmp_path / "labelled"
@@ -135,10 +139,15 @@ def test_end_to_end_default_against_itself(served, tmp_path: Path, capsys) -> No
 
     status = main([str(folder), "--url", served.config.grpc_url, "--protocol", "grpc",
                    "--batch-size", "4", "--json", str(report_path)])
-    out, _ = capsys.readouterr()
+    out, err = capsys.readouterr()
     assert status == 0
     report = json.loads(report_path.read_text())
     assert report["labelled"] is True
+    # random weights (the export's seeded init): said once on stderr and in the report; else not at all
+    random_weights = repository.weights_meaningful() is False
+    assert report["weights_meaningful"] == repository.weights_meaningful()
+    assert err.count(RANDOM_WEIGHTS_NOTE) == int(random_weights) and RANDOM_WEIGHTS_NOTE not in out
+    assert report.get("note") == (RANDOM_WEIGHTS_NOTE if random_weights else None)
     reference, served_row = report["variants"]
     assert (reference["variant"], served_row["variant"]) == ("default", "served")
     for row in (reference, served_row):

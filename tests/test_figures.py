@@ -1,6 +1,6 @@
-"""python -m resnet18_kit.bench.figures on small hand-made results folders, in the formats the commands write:
-`python -m resnet18_kit.bench` (summary.json), `python -m resnet18_kit.planner validate` (validation.json), `python -m resnet18_kit.reliability.soak`
-(soak-<time>/soak.json). No server."""
+"""`resnet18-kit figures` on small hand-made results folders, in the formats the commands write:
+`resnet18-kit bench run` (summary.json), `resnet18-kit plan validate` (validation.json), `resnet18-kit
+reliability soak` (soak-<time>/soak.json). No server."""
 from __future__ import annotations
 
 import json
@@ -30,9 +30,9 @@ def perf_row(level: float, throughput: float, p99_ms: float) -> dict:
 
 
 def write_bench(folder: Path, pipeline: bool = True, configs: bool = False) -> Path:
-    """A `python -m resnet18_kit.bench` results folder with the end-to-end part and/or the tensor sweeps."""
+    """A `resnet18-kit bench run` results folder with the end-to-end part and/or the tensor sweeps."""
     step = {"queue_us": 1000.0, "compute_infer_us": 8000.0, "average_batch": 2.0, "inference_count": 9}
-    summary = {"command": "python -m resnet18_kit.bench", "started_utc": "2026-11-23T06:45:17+00:00", "elapsed_s": 1.0,
+    summary = {"command": "resnet18-kit bench run", "started_utc": "2026-11-23T06:45:17+00:00", "elapsed_s": 1.0,
                "model": "resnet18_onnx", "configs": [], "inprocess": [], "targets": []}
     if pipeline:
         inproc = {"saturation_img_per_s": 100.0, "batch1_p50_ms": 10.0, "batch1_p99_ms": 12.0}
@@ -79,7 +79,7 @@ def write_validation(folder: Path) -> Path:
 
 
 def write_soak(folder: Path, minutes: int = 3) -> Path:
-    """A `python -m resnet18_kit.reliability.soak --out folder` output: folder/soak-<time>/soak.json."""
+    """A `resnet18-kit reliability soak --out folder` output: folder/soak-<time>/soak.json."""
     samples = [[5.0 * i, {"tritonserver": 300 * MiB + i * 1024, "preprocess_0_0": 120 * MiB,
                           "resnet18_onnx_0_0": 200 * MiB}] for i in range(minutes * 12 + 1)]
     record = {"capacity_per_s": 50.0, "load": 0.8, "rate_per_s": 40.0, "minutes": minutes,
@@ -95,7 +95,8 @@ def write_soak(folder: Path, minutes: int = 3) -> Path:
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "resnet18_kit.bench.figures", *args], cwd=REPO, capture_output=True,
+    """`resnet18-kit figures ARGS` in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "resnet18_kit", "figures", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -103,7 +104,7 @@ def test_every_figure_written_small_from_hand_made_results(tmp_path):
     bench = write_bench(tmp_path / "bench", configs=True)
     out = tmp_path / "figures"
     written = figures.generate({"pipeline": bench, "tensor": bench, "validation": write_validation(tmp_path / "val"),
-                                "soak": write_soak(tmp_path / "soak")}, out)
+                                "soak": write_soak(tmp_path / "soak")}, out, tmp_path / "results")
     assert set(written) == {"pipeline", "tensor", "validation", "soak"}
     for name, path in written.items():
         assert path == out / figures.FIGURES[name]
@@ -131,7 +132,7 @@ def test_validation_without_predictions_yet_is_skipped(tmp_path, caplog):
     del row["predicted"]
     (folder / "validation.json").write_text(json.dumps([row]))
     with caplog.at_level(logging.INFO, logger="resnet18_kit.bench.figures"):
-        assert figures.generate({"validation": folder}, tmp_path / "out", ("validation",)) == {}
+        assert figures.generate({"validation": folder}, tmp_path / "out", tmp_path, ("validation",)) == {}
     assert "no predicted level yet" in caplog.text and "--predict-only" in caplog.text
 
 
@@ -208,3 +209,10 @@ def test_newest_soak_run_and_newest_full_bench_run_are_the_defaults(tmp_path):
     write_bench(tmp_path / "results" / "bench-20261124-000000", pipeline=False, configs=True)
     assert figures.newest_bench_folder(tmp_path / "results", "pipeline").name == "bench-20261122-141100"
     assert figures.newest_bench_folder(tmp_path / "results", "configs").name == "bench-20261124-000000"
+
+
+def test_default_inputs_are_read_under_the_results_folder(tmp_path):
+    """No input named: the newest <results>/bench-* for the pipeline, <results>/reliability for the soak."""
+    write_bench(tmp_path / "results" / "bench-20261122-141100")
+    written = figures.generate({}, tmp_path / "out", tmp_path / "results", ("pipeline", "soak"))
+    assert set(written) == {"pipeline"}  # no <results>/reliability: the soak figure is skipped

@@ -7,14 +7,23 @@ import json
 import numpy as np
 import pytest
 
-from resnet18_kit.bench.lone_client import latency_summary_ms
+from resnet18_kit.client import samples
 from resnet18_kit.client.samples import SAMPLE_PHOTO_NAMES, sample_photos
-from resnet18_kit import contract
+from resnet18_kit import cli
 from resnet18_kit.export import resnet18 as r18
-from resnet18_kit.export.__main__ import main as export_main
 from resnet18_kit.export.quantize import agreement, calibration_batch
 
-runtimes = contract.runtimes()
+
+@pytest.fixture(scope="module")
+def runtimes(repository):
+    """The served runtime loaders: resnet18_onnx/1/runtimes.py of the model repository."""
+    return repository.runtimes()
+
+
+@pytest.fixture
+def export_main(repository):
+    """`resnet18-kit --model-repository <the repository> export <argv>`: its exit status."""
+    return lambda argv: cli.main(["--model-repository", str(repository.root), "export", *argv])
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -36,8 +45,8 @@ def test_agreement_on_crafted_logits():
         agreement(reference, reference[:1])
 
 
-def test_provenance_records_the_calibration_set_and_the_agreement():
-    record = json.loads(contract.PROVENANCE_PATHS[0].read_text())["int8"]
+def test_provenance_records_the_calibration_set_and_the_agreement(repository):
+    record = json.loads(repository.provenance_paths[0].read_text())["int8"]
     assert record["quantization"]["format"] == "QDQ" and "per channel" in record["quantization"]["weights"]
     calibration = record["calibration"]
     assert calibration["source"] == "sample photos" and sorted(calibration["files"]) == sorted(SAMPLE_PHOTO_NAMES)
@@ -45,15 +54,15 @@ def test_provenance_records_the_calibration_set_and_the_agreement():
     for figures in record["agreement_vs_fp32"].values():
         assert 0 <= figures["top1_agreement"] <= 1 and 0 <= figures["top5_overlap"] <= 1
         assert figures["max_abs_logit_diff"] > 0  # INT8 is not FP32: a zero would mean the same model
-    digests = json.loads(contract.PROVENANCE_PATHS[0].read_text())["sha256"]
-    assert digests["resnet18_onnx/1/model.int8.onnx"] == r18.sha256(contract.ONNX_INT8_PATH)
+    digests = json.loads(repository.provenance_paths[0].read_text())["sha256"]
+    assert digests["resnet18_onnx/1/model.int8.onnx"] == r18.sha256(repository.onnx_int8_path)
 
 
 @pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
-def test_int8_model_keeps_the_fp32_top5_on_real_photos(runtime):
-    batch = calibration_batch(sample_photos())
-    fp32, _ = runtimes.load(runtimes.RuntimeSpec(contract.ONNX_PATH))(batch)
-    int8, probabilities = runtimes.load(runtimes.RuntimeSpec(contract.ONNX_INT8_PATH, runtime, threads=1))(batch)
+def test_int8_model_keeps_the_fp32_top5_on_real_photos(runtime, repository, runtimes):
+    batch = calibration_batch(repository, sample_photos())
+    fp32, _ = runtimes.load(runtimes.RuntimeSpec(repository.onnx_path))(batch)
+    int8, probabilities = runtimes.load(runtimes.RuntimeSpec(repository.onnx_int8_path, runtime, threads=1))(batch)
     result = agreement(fp32, int8)
     assert result.top5_overlap >= 0.8, result  # measured 1.0 on these inputs with both runtimes
     assert result.max_abs_logit_diff < 0.5 * np.abs(fp32).max(), result
@@ -61,24 +70,24 @@ def test_int8_model_keeps_the_fp32_top5_on_real_photos(runtime):
     np.testing.assert_allclose(probabilities, softmax(int8), rtol=1e-4, atol=1e-7)
 
 
-def test_every_runtime_of_the_fp32_network_agrees_with_onnxruntime():
+def test_every_runtime_of_the_fp32_network_agrees_with_onnxruntime(repository, runtimes):
     batch = r18.parity_batch(2)
-    logits, probabilities = runtimes.load(runtimes.RuntimeSpec(contract.ONNX_PATH))(batch)
+    logits, probabilities = runtimes.load(runtimes.RuntimeSpec(repository.onnx_path))(batch)
     np.testing.assert_allclose(probabilities, softmax(logits), rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
-    for spec in (runtimes.RuntimeSpec(contract.ONNX_PATH, "openvino", threads=1),
-                 runtimes.RuntimeSpec(contract.TORCHSCRIPT_PATH, "torchscript", threads=1)):
+    for spec in (runtimes.RuntimeSpec(repository.onnx_path, "openvino", threads=1),
+                 runtimes.RuntimeSpec(repository.torchscript_path, "torchscript", threads=1)):
         other_logits, other_probabilities = runtimes.load(spec)(batch)
         np.testing.assert_allclose(other_logits, logits, atol=1e-3, err_msg=spec.runtime)
         np.testing.assert_allclose(other_probabilities, probabilities, atol=1e-5, err_msg=spec.runtime)
 
 
-def test_runtime_spec_from_config_parameters():
+def test_runtime_spec_from_config_parameters(repository, runtimes):
     spec = runtimes.RuntimeSpec.from_parameters(
         {"model_filename": "model.int8.onnx", "runtime": "openvino", "intra_op_threads": "1",
-         "allow_spinning": "0"}, contract.ONNX_PATH.parent)
-    assert (spec.path, spec.runtime, spec.threads, spec.allow_spinning) == (contract.ONNX_INT8_PATH, "openvino", 1, False)
-    assert runtimes.RuntimeSpec.from_parameters({"model_filename": "model.pt"}, contract.ONNX_PATH.parent).runtime == \
+         "allow_spinning": "0"}, repository.onnx_path.parent)
+    assert (spec.path, spec.runtime, spec.threads, spec.allow_spinning) == (repository.onnx_int8_path, "openvino", 1, False)
+    assert runtimes.RuntimeSpec.from_parameters({"model_filename": "model.pt"}, repository.onnx_path.parent).runtime == \
         "torchscript"
     with pytest.raises(ValueError, match="unknown runtime 'tensorrt'"):
         runtimes.RuntimeSpec.from_parameters({"model_filename": "model.onnx", "runtime": "tensorrt"}, ".")
@@ -86,31 +95,33 @@ def test_runtime_spec_from_config_parameters():
         runtimes.RuntimeSpec.from_parameters({"model_filename": "model.onnx", "precision": "fp8"}, ".")
 
 
-def test_export_refuses_a_missing_or_empty_calibration_folder_in_one_line(tmp_path, capsys):
+def test_export_refuses_a_missing_or_empty_calibration_folder_in_one_line(tmp_path, capsys, export_main):
     assert export_main(["--calibration-dir", str(tmp_path / "missing")]) == 2
     assert export_main(["--calibration-dir", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"export: --calibration-dir: not a folder: {tmp_path / 'missing'}",
-                     f"export: --calibration-dir: no image files (.bmp, .gif, .jpeg, .jpg, .png, .ppm, .tif, "
-                     f".tiff, .webp) under {tmp_path}"]
+                     f"export: --calibration-dir: no image files ({', '.join(sorted(samples.IMAGE_SUFFIXES))}) "
+                     f"under {tmp_path}"]
 
 
-def test_export_refuses_a_corrupt_calibration_image_before_writing_anything(tmp_path, capsys):
+def test_export_refuses_a_corrupt_calibration_image_before_writing_anything(tmp_path, capsys, repository, export_main):
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
-    written = {p: p.stat().st_mtime_ns for p in contract.GENERATED}
+    written = {p: p.stat().st_mtime_ns for p in repository.generated}
     assert export_main(["--calibration-dir", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"export: --calibration-dir: {tmp_path / 'broken.jpg'}: not an image")
-    assert {p: p.stat().st_mtime_ns for p in contract.GENERATED} == written  # nothing was rewritten
+    assert {p: p.stat().st_mtime_ns for p in repository.generated} == written  # nothing was rewritten
 
 
 def test_lone_client_summary_counts_stalls():
+    from resnet18_kit.bench.lone_client import latency_summary_ms
+
     summary = latency_summary_ms(np.array([10.0] * 98 + [250.0, 530.0]))
     assert summary["requests"] == 100 and summary["over_200_ms"] == 2 and summary["max_ms"] == 530.0
     assert summary["p50_ms"] == 10.0 and summary["p99_ms"] > 250.0
 
 
-def test_export_refuses_missing_or_foreign_weights_in_one_line(tmp_path, capsys):
+def test_export_refuses_missing_or_foreign_weights_in_one_line(tmp_path, capsys, export_main):
     assert export_main(["--weights", str(tmp_path / "missing.pth")]) == 2
     foreign = tmp_path / "foreign.pth"
     import torch

@@ -1,5 +1,5 @@
 """The serve command's lifecycle under faults (reliability.lifecycle): every row of the fault matrix
-against the real `python -m resnet18_kit.server` on the echo model under a retrying load, the stop-signal
+against the real `resnet18-kit serve` on the echo model under a retrying load, the stop-signal
 handling on its own, the start-up checks (busy ports, unknown config names, readiness that only the
 server we started can satisfy) and `make serve` stopped with two signals, several times in a row."""
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_fault_matrix_row(case, tmp_path):
 
 def test_make_serve_stopped_with_two_sigterms_never_hangs(tmp_path):
     """`kill -TERM -- -<pgid>` on `make serve`: make forwards its SIGTERM, so serve gets two. The
-    documented figure (30+ rounds) comes from `python -m resnet18_kit.reliability --scenario stops`."""
+    documented figure (30+ rounds) comes from `resnet18-kit reliability run --scenario stops`."""
     result = repeated_stops(tmp_path, repeat=3)
     print(f"\n{result}")
     assert result["hangs"] == 0 and result["serve_statuses"] == [0], result
@@ -133,9 +133,10 @@ def test_readiness_is_not_believed_from_a_process_that_is_not_ours():
         holder.close()
 
 
-def test_an_unknown_model_config_name_is_one_line_with_the_known_names(tmp_path):
+def test_an_unknown_model_config_name_is_one_line_with_the_known_names(tmp_path, repository):
     http, grpc, metrics = free_ports(3)
-    result = subprocess.run([sys.executable, "-m", "resnet18_kit.server", "--model-config-name", "nosuch",
+    result = subprocess.run([sys.executable, "-m", "resnet18_kit", "--model-repository", str(repository.root), "serve",
+                             "--model-config-name", "nosuch",
                              "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result

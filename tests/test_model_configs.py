@@ -6,17 +6,21 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from resnet18_kit import contract
+from resnet18_kit.observe.model_config import ModelConfigView, read_config
+from resnet18_kit.settings import Settings
 
-CONFIG_FILES = sorted(contract.MODEL_REPOSITORY.glob("*/config.pbtxt")) + sorted(
-    contract.MODEL_REPOSITORY.glob("*/configs/*.pbtxt"))
+#: The shipped model repository, as a command gets it with no flags (the `repository` fixture's; built
+#: here too because the parametrizations below need its files at collection).
+REPOSITORY = Settings.build().repository
+CONFIG_FILES = sorted(REPOSITORY.root.glob("*/config.pbtxt")) + sorted(REPOSITORY.root.glob("*/configs/*.pbtxt"))
 
 
 def parse(path: Path) -> mc.ModelConfig:
-    return text_format.Parse(path.read_text(), mc.ModelConfig())
+    return read_config(path)
 
 
 def default_config(model: str) -> mc.ModelConfig:
-    return parse(contract.MODEL_REPOSITORY / model / "config.pbtxt")
+    return parse(REPOSITORY.config_path(model))
 
 
 def signature(config: mc.ModelConfig):
@@ -35,13 +39,13 @@ def ensemble_steps() -> set[str]:
 
 
 def test_every_model_directory_has_a_default_config():
-    models = {p.name for p in contract.MODEL_REPOSITORY.iterdir() if p.is_dir()}
-    assert models == set(contract.ALL_MODELS)
+    models = {p.name for p in REPOSITORY.root.iterdir() if p.is_dir()}
+    assert models == set(contract.ALL_MODELS) == set(REPOSITORY.model_names())
     variants = {variant_name(p) for p in CONFIG_FILES}
     assert {"default", "gpu", "latency", "throughput", "no_batching", "int8"} <= variants
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(contract.MODEL_REPOSITORY)))
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(REPOSITORY.root)))
 def test_config_names_its_directory_and_variants_match_the_default(path):
     config = parse(path)
     model_dir = path.parent if path.name == "config.pbtxt" else path.parent.parent
@@ -76,7 +80,7 @@ def test_default_network_keeps_an_idle_instance_and_runs_one_at_a_time():
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIG_FILES if parse(p).platform != "ensemble"],
-                         ids=lambda p: str(p.relative_to(contract.MODEL_REPOSITORY)))
+                         ids=lambda p: str(p.relative_to(REPOSITORY.root)))
 def test_batched_model_has_batcher_queue_policy_instances_and_warmup(path):
     config = parse(path)
     assert config.max_batch_size > 0
@@ -118,16 +122,16 @@ def test_ensemble_steps_fit_their_models():
     assert {t.name for t in ensemble.output} <= produced
     assert [t.name for t in ensemble.output] == ["logits", "probabilities"]
     for output in ensemble.output:  # both usable with class_count
-        labels = contract.MODEL_REPOSITORY / contract.ENSEMBLE_MODEL / output.label_filename
-        assert labels == contract.LABELS_PATH and len(labels.read_text().splitlines()) == 1000
+        labels = REPOSITORY.root / contract.ENSEMBLE_MODEL / output.label_filename
+        assert labels == REPOSITORY.labels_path and len(labels.read_text().splitlines()) == 1000
 
 
 @pytest.mark.parametrize("model", [contract.ONNX_MODEL, contract.TORCHSCRIPT_MODEL])
-def test_network_configs_serve_the_exports_outputs_in_their_order(model):
+def test_network_configs_serve_the_exports_outputs_in_their_order(model, repository):
     """The pytorch backend maps a TorchScript module's outputs to the config's by position, and the
     Python-backend model looks each configured name up in the runtime's outputs: both need the export's
     names in the export's order (variants have the default's signature: the test above)."""
-    assert tuple(t.name for t in default_config(model).output) == contract.runtimes().OUTPUT_NAMES
+    assert tuple(t.name for t in default_config(model).output) == repository.runtimes().OUTPUT_NAMES
 
 
 # -- Triton's answer for what a config leaves out (observe.model_config; core src/model_config_utils.cc r24.10) --
@@ -160,20 +164,23 @@ def test_instance_count_with_gpus_counts_per_gpu_and_refuses_kind_gpu_without_on
         counts('backend: "onnxruntime" instance_group [{ count: 1, kind: KIND_GPU }]')
 
 
-def test_bench_and_planner_read_the_same_figures_through_one_reader():
-    from resnet18_kit.bench.__main__ import local_batching
-    from resnet18_kit.observe import model_config
+def test_bench_and_planner_read_the_same_figures_through_one_reader(repository):
+    from resnet18_kit.bench.sweeps import local_batching
     from resnet18_kit.planner.__main__ import configs_instance_counts
     from resnet18_kit.planner.batcher import batcher_from_config
 
-    for variant in ("default", "latency", "throughput", "no_batching"):
-        config = model_config.variant_config(contract.ONNX_MODEL, variant)
-        batcher = batcher_from_config(config)
-        assert local_batching(contract.ONNX_MODEL, variant) == (batcher.max_batch_size, batcher.queue.max_queue_size,
-                                                                model_config.instance_count(config))
-        assert configs_instance_counts(contract.ONNX_MODEL, [variant]) == [model_config.instance_count(config)]
+    cpu_variants = [name for name in repository.variant_names(contract.ONNX_MODEL) if name != "gpu"]
+    assert {"default", "latency", "throughput", "no_batching"} <= set(cpu_variants)
+    for variant in cpu_variants:
+        view = ModelConfigView.for_variant(repository, contract.ONNX_MODEL, variant)
+        assert view.proto == read_config(repository.config_path(contract.ONNX_MODEL, variant))
+        batcher = batcher_from_config(view)
+        bench = local_batching(repository, contract.ONNX_MODEL, variant)
+        assert (bench.max_batch_size, bench.max_queue_size, bench.instance_count()) == (
+            batcher.max_batch_size, batcher.queue.max_queue_size, view.instance_count())
+        assert configs_instance_counts(repository, contract.ONNX_MODEL, [variant]) == [view.instance_count()]
     with pytest.raises(FileNotFoundError, match="nosuch.pbtxt"):
-        model_config.own_config_path(contract.ONNX_MODEL, "nosuch")
+        repository.own_config_path(contract.ONNX_MODEL, "nosuch")
 
 
 def test_preferred_sizes_default_to_max_batch_size_and_queue_fields_to_none():

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from resnet18_kit.contract import ALL_MODELS, PREPROCESS_MODEL, REPO_ROOT
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import max_queue_size, preferred_batch_sizes, variant_config
 
 PROMTOOL = Path("/usr/bin/promtool")
@@ -34,6 +35,9 @@ DEPLOYMENT_DOC = REPO_ROOT / "docs" / "deployment.md"
 DEPLOYED_VARIANTS = ("default", "gpu")
 ALERTS = {"TritonModelQueueNearlyFull", "TritonModelFailingRequests", "TritonQueueTimeRising",
           "TritonBatchesSmallerThanPreferred", "TritonServerDown"}
+
+#: The shipped model repository of this checkout.
+SHIPPED = ModelRepository(REPO_ROOT / "model_repository")
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -101,7 +105,7 @@ def limit_mismatches(groups: list[dict]) -> list[str]:
     problems = [f"{record}{{model={model}}}: no such model" for record, model in limits if model not in ALL_MODELS]
     for variant in DEPLOYED_VARIANTS:
         for model in ALL_MODELS:
-            config = variant_config(model, variant)
+            config = variant_config(SHIPPED, model, variant)
             if config.platform == "ensemble":
                 continue
             wanted = {"triton:model_max_queue_size": max_queue_size(config)}

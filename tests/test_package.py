@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from resnet18_kit.cli import COMMANDS, FOLDER_ENV, run
-from resnet18_kit.contract import MODEL_REPOSITORY_ENV, REPO_ROOT, RESULTS_ENV
+from resnet18_kit import contract
+from resnet18_kit.cli import COMMANDS, PROG, build_parser, main
+from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.server.embedded import free_ports
 
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
@@ -101,63 +102,104 @@ def test_every_dependency_of_every_extra_is_pinned_in_constraints():
     assert not client & {"torch", "torchvision", "nvidia-pytriton", "onnxruntime", "openvino"}, client
 
 
-def test_every_console_script_is_a_command_with_a_main():
-    scripts = PYPROJECT["project"]["scripts"]
-    assert set(scripts) == set(COMMANDS)
-    for script, target in scripts.items():
-        assert target == f"resnet18_kit.cli:{script.removeprefix('resnet18-').replace('-', '_')}"
-        assert (BIN / script).is_file(), f"{script} is not installed in the venv: run `make setup`"
-    assert FOLDER_ENV == {"model_repository": MODEL_REPOSITORY_ENV, "results": RESULTS_ENV}
+def test_one_command_is_installed_and_every_command_module_has_add_arguments_and_run():
+    assert PYPROJECT["project"]["scripts"] == {PROG: "resnet18_kit.cli:main"}
+    assert (BIN / PROG).is_file(), f"{PROG} is not installed in the venv: run `make setup`"
+    import importlib
+
+    for name, (module_name, extra, _) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        assert callable(module.add_arguments) and callable(module.run), name
+        assert extra in PYPROJECT["project"]["optional-dependencies"], (name, extra)
 
 
-def run_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / script), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+def test_no_old_route_is_left():
+    """One route per command: no `if __name__ == "__main__"` outside resnet18_kit/__main__.py, no
+    `python -m resnet18_kit.<module>` command lines, no console script but resnet18-kit."""
+    old = re.compile(r"python -m resnet18_kit\.|resnet18_kit\.[a-z_.]+ *--|\bresnet18-(?!kit\b)[a-z-]+")
+    offenders = []
+    for path in [*python_files(), REPO_ROOT / "Makefile", *REPO_ROOT.glob("scripts/*.sh")]:
+        text = path.read_text()
+        in_package = path.is_relative_to(REPO_ROOT / "resnet18_kit")
+        if in_package and '__name__ == "__main__"' in text and path != REPO_ROOT / "resnet18_kit" / "__main__.py":
+            offenders.append(f"{path.relative_to(REPO_ROOT)}: a __main__ block")
+        offenders += [f"{path.relative_to(REPO_ROOT)}: {m.group(0)}" for m in old.finditer(text)
+                      if path.name not in ("test_package.py", "test_docs.py")]  # the checkers name them
+    assert not offenders, offenders
 
 
-def test_console_scripts_work_from_any_folder(tmp_path):
+def test_the_contract_holds_constants_only():
+    """No folder or file path computed at import besides REPO_ROOT (where the source sits): folders are settings."""
+    paths = [name for name, value in vars(contract).items() if isinstance(value, Path) and name != "REPO_ROOT"]
+    assert not paths, paths
+    assert not [name for name in vars(contract) if name.endswith("_ENV")]
+
+
+def kit(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / PROG), *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_command_works_from_any_folder(tmp_path):
     image = tmp_path / "photo.png"
     image.write_bytes(b"not a png")
     port = free_ports(1)[0]
-    result = run_script("resnet18-classify", "--url", f"127.0.0.1:{port}", str(image), cwd=tmp_path)
-    assert result.returncode == 2 and "cannot reach a Triton server" in result.stderr, result.stderr
-    plan = run_script("resnet18-plan", "--help", cwd=tmp_path)
-    assert plan.returncode == 0 and "worked-example" in plan.stdout
+    result = kit("classify", "--url", f"127.0.0.1:{port}", str(image), cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    plan = kit("plan", "--help", cwd=tmp_path)
+    assert plan.returncode == 0 and plan.stdout.startswith(f"usage: {PROG} plan"), plan.stdout[:200]
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["classify"], ["bench"], ["plan"], ["reliability"]])
+def test_help_names_the_command_the_user_typed(command, tmp_path):
+    result = kit(*command, "--help", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith(f"usage: {' '.join([PROG, *command])}"), \
+        result.stdout[:300]
+    assert "python -m" not in result.stdout
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model-repository", "/nonexistent/repository"], "--model-repository: not a folder: /nonexistent/repository"),
+    (["--model-repository", "/nonexistent/repository", "export"], "--model-repository: not a folder: /nonexistent/repository"),
+    (["export", "--model-repository", "/nonexistent/repository"], "--model-repository: not a folder: /nonexistent/repository"),
+    (["--log-level", "LOUD", "figures"], "--log-level 'LOUD': one of DEBUG, INFO, WARNING, ERROR"),
+    (["classify", "--url", "http://127.0.0.1:8000", "x.png"], "--url 'http://127.0.0.1:8000': give host:port"),
 ])
-def test_a_bad_folder_option_is_one_line(tmp_path, args, message):
-    result = run_script("resnet18-export", *args, cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr.strip().endswith(message), result.stderr
-    assert "Traceback" not in result.stderr
+def test_a_bad_setting_is_one_line(tmp_path, args, message):
+    result = kit(*args, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_no_option_is_abbreviated(tmp_path):
+    """`--model` is classify's own option (the model name), never a prefix of --model-repository."""
+    args = build_parser("classify").parse_args(["classify", "--model", "resnet18_onnx", "x.png"])
+    assert args.model == "resnet18_onnx" and getattr(args, "model_repository", None) is None
+    result = kit("export", "--model-repo", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2 and "unrecognized arguments: --model-repo" in result.stderr, result.stderr
 
 
 def test_a_command_whose_extra_is_missing_says_which_to_install(tmp_path, monkeypatch, capsys):
     """A library a command imports that is not installed is one line naming the extra, exit status 2."""
     (tmp_path / "needs_a_missing_library.py").write_text("import no_such_library_here\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(COMMANDS, "resnet18-fake", ("needs_a_missing_library", False, "bench"))
-    assert run("resnet18-fake", []) == 2
+    monkeypatch.setitem(COMMANDS, "fake", ("needs_a_missing_library", "bench", "a command that cannot import"))
+    assert main(["fake"]) == 2
     message = capsys.readouterr().err
-    assert message.startswith("resnet18-fake: needs the 'bench' extra (no module 'no_such_library_here')")
+    assert message.startswith(f"{PROG} fake: needs the 'bench' extra (no module 'no_such_library_here')")
     assert "pip install 'triton-resnet18-kit[bench]'" in message
 
 
 def test_the_results_option_moves_the_results_folder(tmp_path):
     """--results sets where a command writes: the figures command reads the soak from <results>/reliability."""
     results = tmp_path / "elsewhere"
-    result = run_script("resnet18-figures", "--results", str(results), "--only", "soak", "--out", str(tmp_path),
-                        cwd=tmp_path)
+    result = kit("--results", str(results), "figures", "--only", "soak", "--out", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     assert f"skipped: no {results / 'reliability'}" in result.stderr, result.stderr
 
 
-def test_the_readme_layout_names_every_folder_of_the_package():
-    readme = (REPO_ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
+def test_the_layout_page_names_every_folder_of_the_package():
+    layout = (REPO_ROOT / "docs" / "layout.md").read_text()
     folders = sorted({path.parent.relative_to(REPO_ROOT / "resnet18_kit").parts[0]
                       for path in (REPO_ROOT / "resnet18_kit").glob("*/__init__.py")})
     assert len(folders) >= 7
     missing = [folder for folder in folders if f"  {folder}/ " not in layout]
-    assert not missing, f"README.md's layout has no line for {missing}"
+    assert not missing, f"docs/layout.md has no line for {missing}"

@@ -4,13 +4,14 @@ progress of the long commands, bad inputs. No server needed."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 
-from resnet18_kit.contract import MODEL_REPOSITORY
-from resnet18_kit.observe.model_config import instance_count, read_config
-from resnet18_kit.planner.__main__ import main as planner_main
+from resnet18_kit.cli import main as cli_main
+from resnet18_kit.observe.model_config import ModelConfigView, read_config
 from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy, batcher_from_config
 from resnet18_kit.planner.pbtxt import planned_config, write_config
 from resnet18_kit.planner.profile import BatchTiming, Profile
@@ -18,18 +19,20 @@ from resnet18_kit.planner.profile import BatchTiming, Profile
 
 # -- configs in and out -------------------------------------------------------------------------------------
 
-def test_batcher_read_from_the_repositorys_configs():
-    base = read_config(MODEL_REPOSITORY / "resnet18_onnx" / "config.pbtxt")
+def test_batcher_read_from_the_repositorys_configs(repository):
+    base = ModelConfigView.for_variant(repository, "resnet18_onnx")
     assert batcher_from_config(base) == BatcherConfig(16, True, (8, 16), 0, QueuePolicy(64, 0, True))
-    throughput = batcher_from_config(read_config(MODEL_REPOSITORY / "resnet18_onnx/configs/throughput.pbtxt"))
+    throughput = batcher_from_config(ModelConfigView.for_variant(repository, "resnet18_onnx", "throughput"))
     assert (throughput.max_batch_size, throughput.preferred, throughput.max_queue_delay_us) == (32, (32,), 100_000)
-    assert not batcher_from_config(read_config(MODEL_REPOSITORY / "resnet18_onnx/configs/no_batching.pbtxt")
+    assert not batcher_from_config(ModelConfigView.for_variant(repository, "resnet18_onnx", "no_batching")
                                    ).dynamic_batching
-    assert instance_count(base) == 2
+    assert base.instance_count() == 2
+    with pytest.raises(TypeError):  # a parsed proto is not read twice: the view is the one reader
+        batcher_from_config(base.proto)
 
 
-def test_planned_config_is_the_base_config_with_the_plan_and_parses_back(tmp_path):
-    base = read_config(MODEL_REPOSITORY / "resnet18_onnx" / "config.pbtxt")
+def test_planned_config_is_the_base_config_with_the_plan_and_parses_back(tmp_path, repository):
+    base = read_config(repository.config_path("resnet18_onnx"))
     batcher = BatcherConfig(8, max_queue_delay_us=20_000, queue=QueuePolicy(48, 0, True))
     written = write_config(planned_config(base, batcher, 2, {"intra_op_threads": "1"}), tmp_path / "p.pbtxt",
                            header="planned\nby a test")
@@ -37,7 +40,7 @@ def test_planned_config_is_the_base_config_with_the_plan_and_parses_back(tmp_pat
     assert written.read_text().startswith("# planned\n# by a test\n")
     assert (again.name, again.backend, again.input[0].dims) == (base.name, base.backend, base.input[0].dims)
     # no preferred size written: Triton (and so the reader) prefers max_batch_size
-    assert batcher_from_config(again) == replace(batcher, preferred_batch_sizes=(8,))
+    assert batcher_from_config(ModelConfigView.of(again)) == replace(batcher, preferred_batch_sizes=(8,))
     assert again.instance_group[0].count == 2 and again.parameters["intra_op_threads"].string_value == "1"
     assert base.instance_group[0].rate_limiter.resources  # the default serializes its instances ...
     assert not again.instance_group[0].HasField("rate_limiter")  # ... a plan runs them side by side
@@ -46,23 +49,24 @@ def test_planned_config_is_the_base_config_with_the_plan_and_parses_back(tmp_pat
     assert not unbatched.HasField("dynamic_batching")
 
 
-def test_plan_command_writes_a_servable_config_outside_the_model_repository(tmp_path, capsys):
+def test_plan_command_writes_a_servable_config_outside_the_model_repository(tmp_path, capsys, repository):
     profile = Profile("resnet18_onnx", {1: {1: BatchTiming(20.0, 1.0), 8: BatchTiming(120.0, 5.0),
                                             16: BatchTiming(230.0, 8.0)}}, overhead_us=1000.0)
     path = profile.save(tmp_path / "profile.json")
-    code = planner_main(["plan", "--profile", str(path), "--qps", "100", "--budget-ms", "600", "--requests", "4000",
-                         "--out", str(tmp_path / "out"), "--name", "planned_test"])
+    code = cli_main(["plan", "plan", "--profile", str(path), "--qps", "100", "--budget-ms", "600", "--requests",
+                     "4000", "--out", str(tmp_path / "out"), "--name", "planned_test"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "BEST:" in printed and "queue delay chosen" in printed
     written = tmp_path / "out" / "resnet18_onnx" / "configs" / "planned_test.pbtxt"
     config = read_config(written)
     assert config.name == "resnet18_onnx" and config.max_batch_size in (8, 16)
-    assert not (MODEL_REPOSITORY / "resnet18_onnx" / "configs" / "planned_test.pbtxt").exists()
+    assert not (repository.root / "resnet18_onnx" / "configs" / "planned_test.pbtxt").exists()
+    assert written.read_text().startswith("# resnet18_onnx, variant")
     assert config.dynamic_batching.default_queue_policy.max_queue_size > 0  # bounded by default
 
-    code = planner_main(["plan", "--profile", str(path), "--qps", "100", "--budget-ms", "600", "--requests", "4000",
-                         "--out", str(tmp_path / "out"), "--name", "unbounded", "--unbounded-queue"])
+    code = cli_main(["plan", "plan", "--profile", str(path), "--qps", "100", "--budget-ms", "600", "--requests",
+                     "4000", "--out", str(tmp_path / "out"), "--name", "unbounded", "--unbounded-queue"])
     unbounded = read_config(tmp_path / "out" / "resnet18_onnx" / "configs" / "unbounded.pbtxt")
     assert code == 0 and unbounded.HasField("dynamic_batching")
     assert not unbounded.dynamic_batching.HasField("default_queue_policy")  # Triton then prefetches
@@ -102,8 +106,11 @@ def test_progress_counts_steps_and_logs_each_with_its_eta(caplog):
 
     from resnet18_kit.progress import Progress
 
-    caplog.set_level(logging.INFO, logger="planner")
-    with Progress(4, "level", "validate", logging.getLogger("planner"), disable=True) as progress:
+    from resnet18_kit.planner.__main__ import log
+
+    assert log.name.startswith("resnet18_kit.")  # under the tree cli's setup_logging configures
+    caplog.set_level(logging.INFO, logger=log.name)
+    with Progress(4, "level", "validate", log, disable=True) as progress:
         progress("default: capacity 49.0 infer/s")
         progress("default 30% = 14.7 req/s: 14.6 infer/s", step=True)
         progress("default 70%: other processes took 30% of the cores; measuring again", warning=True)
@@ -139,31 +146,42 @@ def test_profile_progress_counts_the_measurements_measure_profile_reports():
         assert progress.done == 2
 
 
-def test_validate_and_profile_take_a_log_level(capsys):
+def test_plan_is_a_command_of_resnet18_kit_with_the_global_options_and_no_abbreviations(capsys):
+    out = subprocess.run([sys.executable, "-m", "resnet18_kit", "plan", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith("usage: resnet18-kit plan") and "worked-example" in out and "python -m" not in out
     with pytest.raises(SystemExit):
-        planner_main(["validate", "--help"])
-    assert "--log-level" in capsys.readouterr().out
+        cli_main(["plan", "validate", "--help"])
+    out = capsys.readouterr().out
+    assert "--log-level" in out and "--model-repository" in out and "-v, --verbose" not in out
+    # --model is profile's own option, never taken for the global --model-repository: a model the
+    # repository lacks is named (before any server starts), the global options go after it too
+    assert cli_main(["plan", "profile", "--model", "nosuch_model", "--log-level", "WARNING"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--model nosuch_model" in err, err
     with pytest.raises(SystemExit):
-        planner_main(["profile", "-v", "--log-level", "INFO"])  # one or the other
+        cli_main(["plan", "profile", "--mod", "resnet18_onnx"])  # no prefix matching
 
 
-def test_validate_profiles_the_instance_counts_of_the_configs_it_validates():
+def test_validate_profiles_the_instance_counts_of_the_configs_it_validates(repository):
     from resnet18_kit.planner.__main__ import configs_instance_counts
 
     # config.pbtxt runs 2 rate-limited instances, latency 1, throughput 2: a profile of 1 alone
     # could not predict the default (validate used to stop with a KeyError after its profile).
-    assert configs_instance_counts("resnet18_onnx", ["default", "throughput"]) == [2]
-    assert configs_instance_counts("resnet18_onnx", ["latency", "throughput", "default"]) == [1, 2]
+    assert configs_instance_counts(repository, "resnet18_onnx", ["default", "throughput"]) == [2]
+    assert configs_instance_counts(repository, "resnet18_onnx", ["latency", "throughput", "default"]) == [1, 2]
 
 
 @pytest.mark.parametrize("args, named", [
     (["validate", "--configs", "nosuch"], "nosuch.pbtxt"),
     (["simulate", "--profile", "{missing}", "--rate", "10"], "missing.json"),
     (["simulate", "--profile", "{not_json}", "--rate", "10"], "not_json.json: not a profile JSON file"),
+    (["plan", "--worked-example", "--arrivals", "trace"], "--arrivals trace needs --trace FILE"),
+    (["plan", "--qps", "10"], "give --profile FILE or --worked-example"),
 ])
 def test_bad_inputs_are_one_line_and_exit_2(args, named, tmp_path, capsys):
     (tmp_path / "not_json.json").write_text("{")
     args = [a.format(missing=tmp_path / "missing.json", not_json=tmp_path / "not_json.json") for a in args]
-    assert planner_main(args) == 2
+    assert cli_main(["plan", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err, err

@@ -2,7 +2,6 @@
 for every image mode: full decode (fused resize+crop: float rounding of the crop box flips an 8-bit rounding
 at a few pixels) and scaled decode of large JPEGs (libjpeg's DCT scaling)."""
 import io
-import sys
 import struct
 import zlib
 
@@ -11,12 +10,17 @@ import pytest
 from PIL import Image
 
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.contract import MODEL_REPOSITORY, PREPROCESS_MODEL
+from resnet18_kit.contract import PREPROCESS_MODEL
 from resnet18_kit.export.resnet18 import torchvision_eval_transform
 
-# The transform lives beside the preprocess model's model.py (the server imports it from there).
-sys.path.insert(0, str(MODEL_REPOSITORY / PREPROCESS_MODEL / "1"))
-import image_transform  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def image_transform(repository):
+    """The served transform: preprocess/1/image_transform.py of the model repository (the server imports
+    it from there; ModelRepository loads the same file)."""
+    return repository.image_transform()
+
 
 #: Stated tolerance of the served transform against torchvision's, full-decode path, per normalized value:
 #: none off by more than one 8-bit level (1 / (255 x the smallest std 0.224) = 0.0175) and mean |diff|
@@ -79,17 +83,17 @@ def variants():
 
 
 @pytest.mark.parametrize("name,data,expected_image", variants(), ids=[v[0] for v in variants()])
-def test_transform_matches_torchvision(name, data, expected_image):
+def test_transform_matches_torchvision(name, data, expected_image, image_transform):
     assert_matches_torchvision(image_transform.preprocess(data), reference(expected_image))
 
 
 @pytest.mark.parametrize("index", range(len(sample_photos())))
-def test_sample_photos_match_torchvision(index):
+def test_sample_photos_match_torchvision(index, image_transform):
     path = sample_photos()[index]
     assert_matches_torchvision(image_transform.preprocess(path.read_bytes()), reference(Image.open(path)))
 
 
-def test_exif_orientation_is_applied():
+def test_exif_orientation_is_applied(image_transform):
     rgb = photo(0).convert("RGB")
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 CW to display"
@@ -104,7 +108,7 @@ def large_jpeg(index: int, size=(4000, 3000), **options) -> bytes:
 
 
 @pytest.mark.parametrize("index", [0, 2, 4])
-def test_large_jpeg_is_decoded_scaled_within_its_tolerance(index):
+def test_large_jpeg_is_decoded_scaled_within_its_tolerance(index, image_transform):
     data = large_jpeg(index)
     decoded = image_transform.decode_rgb(data, min_short_side=image_transform.RESIZE_SHORT_SIDE)
     assert decoded.size == (500, 375)  # 1/8 scale: the smallest whose short side is still >= 256
@@ -115,7 +119,7 @@ def test_large_jpeg_is_decoded_scaled_within_its_tolerance(index):
     assert_matches_torchvision(image_transform.preprocess(data, scaled_decode=False), expected)
 
 
-def test_scaled_decode_keeps_the_exif_rotation_and_only_applies_to_large_jpegs():
+def test_scaled_decode_keeps_the_exif_rotation_and_only_applies_to_large_jpegs(image_transform):
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 CW to display"
     data = large_jpeg(0, exif=exif)
@@ -128,7 +132,7 @@ def test_scaled_decode_keeps_the_exif_rotation_and_only_applies_to_large_jpegs()
     assert image_transform.decode_rgb(png, min_short_side=256).size == (1200, 800)
 
 
-def test_preprocess_writes_into_the_row_it_is_given():
+def test_preprocess_writes_into_the_row_it_is_given(image_transform):
     batch = np.full((2, 3, 224, 224), np.nan, np.float32)
     returned = image_transform.preprocess(sample_photos()[0].read_bytes(), out=batch[1])
     assert returned is batch[1] or np.shares_memory(returned, batch)
@@ -157,7 +161,7 @@ BAD_IMAGES = [
 
 
 @pytest.mark.parametrize("name,data,message", BAD_IMAGES, ids=[b[0] for b in BAD_IMAGES])
-def test_bad_images_raise_a_decode_error_naming_the_problem(name, data, message):
+def test_bad_images_raise_a_decode_error_naming_the_problem(name, data, message, image_transform):
     with pytest.raises(image_transform.ImageDecodeError, match=message):
         image_transform.preprocess(data)
 

@@ -2,7 +2,7 @@
 nothing hangs, nothing is answered twice, and the server's counters add up to what the clients saw;
 queue timeouts; readiness while the queue is full and the overload signal operators can use instead.
 
-The scenarios live in resnet18_kit/reliability/, one module each (`python -m resnet18_kit.reliability`
+The scenarios live in resnet18_kit/reliability/, one module each (`resnet18-kit reliability run`
 runs them bigger for docs/reliability.md); these tests run them small and assert the invariants, not
 throughput.
 """

@@ -8,7 +8,6 @@ only its own request in a batch; tests/test_preprocess.py the transform itself.
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
@@ -19,14 +18,12 @@ from tritonclient.utils import InferenceServerException
 from resnet18_kit.client.classifier import protocol_module
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import PROTOCOLS
-from resnet18_kit.contract import MODEL_REPOSITORY, PREPROCESS_MODEL
+from resnet18_kit.contract import PREPROCESS_MODEL
 from resnet18_kit.load.outcomes import ANSWERED, INVALID, classify_error
 from resnet18_kit.observe.process_memory import MemorySampler
 from resnet18_kit.reliability.bad_input import bad_input_corpus, encode, odd_images, send_image
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.embedded import MiB
-
-sys.path.insert(0, str(MODEL_REPOSITORY / PREPROCESS_MODEL / "1"))
-import image_transform  # noqa: E402
 
 #: Every bad request is answered within this (measured: at most about 0.6 s, for the 20 MB image).
 CASE_BOUND_S = 5.0
@@ -43,7 +40,8 @@ def assert_ready_and_correct(server, protocol: str) -> None:
         assert client.is_server_ready()
         photo = sample_photos()[1].read_bytes()
         pixels = send_image(client, module, PREPROCESS_MODEL, photo, "pixels").as_numpy("pixels")
-        np.testing.assert_allclose(pixels[0], image_transform.preprocess(photo), atol=1e-5)
+        transform = ModelRepository(server.config.model_repository).image_transform()  # what it serves
+        np.testing.assert_allclose(pixels[0], transform.preprocess(photo), atol=1e-5)
     finally:
         client.close()
 
@@ -73,7 +71,7 @@ def test_fixed_corpus_is_refused_with_a_message_in_bounded_time_and_memory(trito
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_odd_but_valid_images_are_answered_like_the_local_transform(triton_server, protocol):
+def test_odd_but_valid_images_are_answered_like_the_local_transform(triton_server, protocol, repository):
     """Grayscale, RGBA, palette, CMYK, 16-bit, animated GIF (first frame), EXIF-rotated: each succeeds
     through `preprocess` with the tensor the transform gives locally."""
     module = protocol_module(protocol)
@@ -81,7 +79,8 @@ def test_odd_but_valid_images_are_answered_like_the_local_transform(triton_serve
     try:
         for name, data in odd_images().items():
             pixels = send_image(client, module, PREPROCESS_MODEL, data, "pixels").as_numpy("pixels")
-            np.testing.assert_allclose(pixels[0], image_transform.preprocess(data), atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(pixels[0], repository.image_transform().preprocess(data), atol=1e-5,
+                                       err_msg=name)
     finally:
         client.close()
 

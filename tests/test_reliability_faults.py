@@ -122,7 +122,7 @@ def test_supervisor_gives_up_on_a_crash_loop(echo_repository, tmp_path):
 
 
 def test_sigterm_lets_accepted_requests_finish_refuses_new_ones_and_exits_in_time(echo_repository, tmp_path):
-    """SIGTERM to `python -m resnet18_kit.server` while 10 requests are sent at once (the queue holds 8 + 4 executing,
+    """SIGTERM to `resnet18-kit serve` while 10 requests are sent at once (the queue holds 8 + 4 executing,
     fewer while the batcher gathers the next batch, so a few may be refused): every accepted request is
     answered; new HTTP connections are refused at once; the server exits 0 within --exit-timeout-s.
     gRPC keeps accepting new requests while HTTP connections drain, then answers NOT_FOUND ("no

@@ -26,8 +26,8 @@ def parse(*argv: str):
     return parser.parse_args(list(argv))
 
 
-def test_default_bind_is_loopback_only():
-    config = config_from_args(parse(), environ={})
+def test_default_bind_is_loopback_only(settings):
+    config = config_from_args(settings, parse(), environ={})
     assert config.host == ServerConfig().host == "127.0.0.1" and config.loopback_only
     command = server_command(config)
     for flag in ("--http-address", "--grpc-address", "--metrics-address"):
@@ -35,18 +35,18 @@ def test_default_bind_is_loopback_only():
     assert not any("restricted" in arg for arg in command)
 
 
-def test_wider_bind_without_an_admin_key_is_refused():
+def test_wider_bind_without_an_admin_key_is_refused(settings):
     with pytest.raises(InsecureBindError, match=ADMIN_KEY_ENV):
-        config_from_args(parse("--host", "0.0.0.0"), environ={})
-    result = subprocess.run([sys.executable, "-m", "resnet18_kit.server", "--host", "0.0.0.0"], cwd=REPO_ROOT,
+        config_from_args(settings, parse("--host", "0.0.0.0"), environ={})
+    result = subprocess.run([sys.executable, "-m", "resnet18_kit", "serve", "--host", "0.0.0.0"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=60,
                             env={"PATH": "/usr/bin:/bin", "HOME": str(REPO_ROOT)})
     assert result.returncode == 2 and "refusing to listen on 0.0.0.0" in result.stderr, result.stderr
 
 
-def test_wider_bind_with_a_key_warns_and_restricts_the_admin_apis(capsys):
+def test_wider_bind_with_a_key_warns_and_restricts_the_admin_apis(capsys, settings):
     key = secrets.token_hex(16)
-    config = config_from_args(parse("--host", "0.0.0.0"), environ={ADMIN_KEY_ENV: key})
+    config = config_from_args(settings, parse("--host", "0.0.0.0"), environ={ADMIN_KEY_ENV: key})
     assert "WARNING: listening on 0.0.0.0" in capsys.readouterr().err
     assert config.admin_key == key and key not in repr(config)  # not printed with the config
     restriction = f"{','.join(RESTRICTED_APIS)}:admin-key={key}"

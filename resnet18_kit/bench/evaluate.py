@@ -1,12 +1,13 @@
-"""python -m resnet18_kit.bench.evaluate: top-1 / top-5 accuracy of served model-config variants on a labelled image
-folder, and their agreement with a reference variant (default: the FP32 network) on any image folder.
+"""Top-1 / top-5 accuracy of served model-config variants on a labelled image folder, and their agreement
+with a reference variant (default: the FP32 network) on any image folder (resnet18-kit evaluate).
 
 For the reference and each --variants NAME (a tritonserver `--model-config-name`: models with
 configs/NAME.pbtxt load it, the others their config.pbtxt; "default" = config.pbtxt everywhere = the FP32
 ONNX Runtime network), in turn: start the embedded tritonserver on free ports, send every image under
 FOLDER (recursive) to the `resnet18` ensemble, --batch-size images per request, keep the full logits,
-stop the server. With --url the already running server at HOST:PORT is evaluated instead, as the one
-variant "served", against the embedded reference started as above.
+stop the server; the servers serve --model-repository. With --url the already running server at HOST:PORT
+(--protocol, default http) is evaluated instead, as the one variant "served", against the embedded
+reference started as above.
 
 Tensors: request input "image" BYTES [n, 1] (one encoded file per row, n <= --batch-size, capped at the
 ensemble's max_batch_size 16); output "logits" FP32 [n, 1000]; per variant FP32 [N, 1000] over the N
@@ -20,7 +21,7 @@ Labelled folder: when every immediate subfolder of FOLDER that holds images is n
 (0..999) or an ImageNet WordNet id (n01440764 ...), an image's label is the subfolder it lies in (images
 directly in FOLDER are unlabelled); a subfolder with images named otherwise is an error. No subfolder
 with images: agreement only. Wnid -> class index comes from
-model_repository/resnet18/wnids.txt: line i = wnid of class i, the 1000 ids sorted, which is the class
+resnet18/wnids.txt of the model repository: line i = wnid of class i, the 1000 ids sorted, which is the class
 order of torchvision's ImageNet models (ImageFolder sorts the wnid folders). That file is
 timm/data/_info/imagenet_synsets.txt of the timm 1.0.31 wheel on PyPI, unchanged.
 
@@ -32,20 +33,24 @@ Metrics, with z_i the logits of image i and y_i its label (logits are unnormaliz
   top-5 overlap    = (1/M) sum_i |top-5(z_i) & top-5(r_i)| / 5; fraction in [0, 1].
   max |logit diff| = max over i and the 1000 classes of |z_ic - r_ic|, in logit units.
 
-Weights: this repository's export uses a seeded random init when no ImageNet weights are available (none
-can be downloaded here). Accuracy is then meaningless: about 0.1% top-1 (1/1000) is expected by chance.
+Weights: the export uses a seeded random init when no ImageNet weights are available (the provenance of
+the model repository says which). Accuracy is then meaningless: about 0.1% top-1 (1/1000) is expected by
+chance; the command says so once on stderr and in the JSON report ("weights_meaningful": false, "note").
 Agreement stays meaningful: it measures how far a variant's network (e.g. int8) departs from FP32. With
-real weights (`python -m resnet18_kit.export --weights resnet18-f37072fd.pth`) and an ImageNet validation folder with
-one subfolder per wnid, accuracy is real: torchvision's documentation publishes 69.76% top-1 / 89.08%
-top-5 for IMAGENET1K_V1 ResNet-18 with this exact eval transform (resize 256, center crop 224).
+real weights (`resnet18-kit export --weights FILE`, FILE torchvision's IMAGENET1K_V1 ResNet-18
+checkpoint) and an ImageNet validation folder with one subfolder per wnid, accuracy is real:
+torchvision's documentation publishes 69.76% top-1 / 89.08% top-5 for IMAGENET1K_V1 ResNet-18 with this
+exact eval transform (resize 256, center crop 224).
 
-Exit status: 0 done (refused images included); 1 a server failed; 2 a problem with the command line
-(missing folder, no images, unknown variant, bad class folder name, --url unreachable), named on one line.
+Output: the table on stdout; progress and notes on stderr. Exit status: 0 done (refused images included);
+1 a server failed; 2 a problem with the command line (missing folder, no images, unknown variant, bad
+class folder name, --url unreachable), named on one line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 import tempfile
@@ -57,28 +62,33 @@ from tritonclient.utils import InferenceServerException
 
 from resnet18_kit.client.classifier import TritonClassifierClient, protocol_module
 from resnet18_kit.client.errors import InferenceError, InvalidInputError, from_triton
-from resnet18_kit.contract import (ENSEMBLE_MODEL, IMAGE_INPUT, LOGITS_OUTPUT, MODEL_REPOSITORY, NUM_CLASSES, PROTOCOLS,
-                                   missing_artifacts)
+from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, IMAGE_INPUT, LOGITS_OUTPUT, NUM_CLASSES
 from resnet18_kit.export.quantize import agreement, image_files
+from resnet18_kit.observe.model_config import ModelConfigView
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerStartError, config_on_free_ports
+from resnet18_kit.settings import Settings, add_server_address_options
 
-#: ImageNet-1k WordNet ids, line i = class index i (sorted; see the module docstring for the source).
-WNIDS_PATH = MODEL_REPOSITORY / ENSEMBLE_MODEL / "wnids.txt"
-DEFAULT_VARIANT = "default"
+log = logging.getLogger(__name__)
+PREFIX = "evaluate"
 SERVED_VARIANT = "served"
 WNID_PATTERN = re.compile(r"n\d{8}")
+#: Said once on stderr, and put in the JSON report, when the served weights are a random init.
+RANDOM_WEIGHTS_NOTE = ("the model's weights are a seeded RANDOM init (no ImageNet weights were available): "
+                       "top-1 / top-5 accuracy and labels are meaningless (about 0.1% top-1 by chance); "
+                       "agreement between variants still holds; see README 'Weights'")
 
 
 class UsageError(Exception):
     """A problem with the command line, reported on one line with exit status 2."""
 
 
-def known_variants() -> list[str]:
-    """"default" and every NAME with some model_repository/*/configs/NAME.pbtxt, sorted."""
-    return sorted({DEFAULT_VARIANT, *(p.stem for p in MODEL_REPOSITORY.glob("*/configs/*.pbtxt"))})
+def wnids_path(repository: ModelRepository) -> Path:
+    """ImageNet-1k WordNet ids of `repository`, line i = class index i (resnet18/wnids.txt; module doc)."""
+    return repository.root / ENSEMBLE_MODEL / "wnids.txt"
 
 
-def load_wnids(path: Path = WNIDS_PATH) -> dict[str, int]:
+def load_wnids(path: Path) -> dict[str, int]:
     """{wnid: class index} from wnids.txt (1000 lines, line i = class i)."""
     wnids = path.read_text().split()
     if len(wnids) != NUM_CLASSES or len(set(wnids)) != NUM_CLASSES:
@@ -93,15 +103,16 @@ def class_of_folder(name: str, wnids: dict[str, int]) -> int | None:
     return wnids.get(name) if WNID_PATTERN.fullmatch(name) else None
 
 
-def folder_labels(folder: Path, files: Sequence[Path]) -> np.ndarray | None:
+def folder_labels(folder: Path, files: Sequence[Path], wnids_file: Path) -> np.ndarray | None:
     """Labels int64 [len(files)] from the class subfolders of `folder` (-1: a file directly in `folder`),
     or None when no file lies in a subfolder (subfolders without images, e.g. __pycache__, are ignored).
-    Raises UsageError naming the first subfolder (sorted) that is neither a class index nor a wnid."""
+    wnids_file: wnids.txt (load_wnids), read only when there are subfolders. Raises UsageError naming the
+    first subfolder (sorted) that is neither a class index nor a wnid."""
     parts = [Path(f).relative_to(folder).parts for f in files]
     subfolders = sorted({p[0] for p in parts if len(p) > 1})
     if not subfolders:
         return None
-    wnids = load_wnids()
+    wnids = load_wnids(wnids_file)
     classes = {name: class_of_folder(name, wnids) for name in subfolders}
     bad = next((name for name, index in classes.items() if index is None), None)
     if bad is not None:
@@ -137,8 +148,7 @@ def collect_logits(url: str, protocol: str, files: Sequence[Path], batch_size: i
     logits = np.full((len(files), NUM_CLASSES), np.nan, dtype=np.float32)
     refused: dict[int, str] = {}
     with TritonClassifierClient(url, protocol) as client:
-        config = client.model_config(ENSEMBLE_MODEL)
-        max_batch = int(config.get("max_batch_size", config.get("maxBatchSize", 0)) or batch_size)
+        max_batch = ModelConfigView.from_served(client.model_config(ENSEMBLE_MODEL)).max_batch_size or batch_size
         step = max(1, min(batch_size, max_batch))
         for start in range(0, len(files), step):
             images = [Path(f).read_bytes() for f in files[start:start + step]]
@@ -155,12 +165,13 @@ def collect_logits(url: str, protocol: str, files: Sequence[Path], batch_size: i
     return logits, refused
 
 
-def run_embedded(variant: str, files: Sequence[Path], protocol: str, batch_size: int, log_dir: Path,
-                 ) -> tuple[np.ndarray, dict[int, str]]:
-    """collect_logits on an embedded tritonserver started with `--model-config-name variant` (none for
-    "default") on free ports, stopped afterwards."""
-    config = config_on_free_ports(model_config_name=None if variant == DEFAULT_VARIANT else variant)
-    print(f"evaluate: {variant}: starting tritonserver, {len(files)} images", file=sys.stderr)
+def run_embedded(repository: ModelRepository, variant: str, files: Sequence[Path], protocol: str, batch_size: int,
+                 log_dir: Path) -> tuple[np.ndarray, dict[int, str]]:
+    """collect_logits on an embedded tritonserver of `repository` started with `--model-config-name variant`
+    (none for "default") on free ports, stopped afterwards."""
+    config = config_on_free_ports(model_config_name=None if variant == DEFAULT_VARIANT else variant,
+                                  model_repository=repository.root)
+    log.info("%s: starting tritonserver, %d images", variant, len(files))
     with EmbeddedTritonServer(config, log_path=log_dir / f"tritonserver-{variant}.log"):
         url = config.url(protocol)
         return collect_logits(url, protocol, files, batch_size)
@@ -233,67 +244,74 @@ def table(rows: Sequence[dict], labelled: bool) -> str:
     return "\n".join(text)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.bench.evaluate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """evaluate's options (the server address ones from settings.add_server_address_options)."""
     parser.add_argument("folder", type=Path, help="image folder (recursive); class subfolders = labelled")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--variants", nargs="+", default=["int8"], metavar="NAME",
-                       help="model-config variants to evaluate, each on its own embedded server (default int8)")
-    where.add_argument("--url", metavar="HOST:PORT",
-                       help="evaluate the server running there (variant 'served') instead of --variants")
+    parser.add_argument("--variants", nargs="+", metavar="NAME",
+                        help="model-config variants to evaluate, each on its own embedded server (default int8; "
+                             "not with --url)")
     parser.add_argument("--reference", default=DEFAULT_VARIANT, metavar="NAME",
                         help="variant the others are compared with (default: default = FP32)")
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="http", help="default http")
-    parser.add_argument("--batch-size", type=int, default=8, help="images per request (default 8; capped at the ensemble's max_batch_size, 16)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="images per request (default 8; capped at the ensemble's max_batch_size, 16)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON there")
-    return parser.parse_args(argv)
+    add_server_address_options(parser)
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    """The whole run: validate the command line (UsageError), evaluate, return the JSON report."""
+def evaluate(repository: ModelRepository, args: argparse.Namespace, url: str | None, protocol: str) -> dict:
+    """The whole run: validate the command line (UsageError), evaluate the variants of `repository` (and the
+    server at `url` when given), return the JSON report."""
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, not {args.batch_size}")
+    if url and args.variants:
+        raise UsageError("--variants and --url exclude each other (--url evaluates the server running there)")
     try:
         files = image_files(args.folder)
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
-    labels = folder_labels(args.folder, files)
-    variants = [] if args.url else list(dict.fromkeys(args.variants))
-    unknown = [name for name in [args.reference, *variants] if name not in known_variants()]
+    labels = folder_labels(args.folder, files, wnids_path(repository))
+    variants = [] if url else list(dict.fromkeys(args.variants or ["int8"]))
+    known = repository.variant_names()
+    unknown = [name for name in [args.reference, *variants] if name not in known]
     if unknown:
-        raise UsageError(f"unknown variant {unknown[0]!r} (known: {', '.join(known_variants())})")
-    if missing_artifacts():
-        raise UsageError(f"model files missing ({missing_artifacts()[0].name} ...): run `make export` first")
-    if args.url:
-        check_reachable(args.url, args.protocol)
+        raise UsageError(f"unknown variant {unknown[0]!r} (known: {', '.join(known)})")
+    missing = repository.missing_artifacts()
+    if missing:
+        raise UsageError(f"model files missing ({missing[0].name} ...): run `resnet18-kit export` first")
+    if url:
+        check_reachable(url, protocol)
+    weights_meaningful = repository.weights_meaningful()
+    if weights_meaningful is False:
+        print(f"{PREFIX}: NOTE {RANDOM_WEIGHTS_NOTE}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="evaluate-") as log_dir:
-        reference = run_embedded(args.reference, files, args.protocol, args.batch_size, Path(log_dir))
-        runs = {name: run_embedded(name, files, args.protocol, args.batch_size, Path(log_dir))
+        reference = run_embedded(repository, args.reference, files, protocol, args.batch_size, Path(log_dir))
+        runs = {name: run_embedded(repository, name, files, protocol, args.batch_size, Path(log_dir))
                 for name in variants}
-    if args.url:
-        runs[SERVED_VARIANT] = collect_logits(args.url, args.protocol, files, args.batch_size)
+    if url:
+        log.info("%s: %s server at %s, %d images", SERVED_VARIANT, protocol, url, len(files))
+        runs[SERVED_VARIANT] = collect_logits(url, protocol, files, args.batch_size)
     rows = [summarize(args.reference, *reference, files, args.folder, labels, None)]
     rows += [summarize(name, *run, files, args.folder, labels, reference) for name, run in runs.items()]
-    return {"folder": str(args.folder), "protocol": args.protocol, "batch_size": args.batch_size,
-            "reference": args.reference, "labelled": labels is not None, "variants": rows}
+    report = {"folder": str(args.folder), "protocol": protocol, "batch_size": args.batch_size,
+              "reference": args.reference, "labelled": labels is not None, "model_repository": str(repository.root),
+              "weights": repository.provenance().get("weights"), "weights_meaningful": weights_meaningful}
+    if weights_meaningful is False:
+        report["note"] = RANDOM_WEIGHTS_NOTE
+    return {**report, "variants": rows}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Evaluate (module doc); the table on stdout; exit status 0, 1 a server failed, 2 a usage problem."""
+    url = settings.url if args.url is not None else None
     try:
-        report = evaluate(args)
+        report = evaluate(settings.repository, args, url, settings.protocol)
     except UsageError as exc:
-        print(f"evaluate: {exc}", file=sys.stderr)
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 2
     except (ServerStartError, InferenceError, OSError) as exc:
-        print(f"evaluate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{PREFIX}: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(table(report["variants"], report["labelled"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

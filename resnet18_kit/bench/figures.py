@@ -1,31 +1,31 @@
-"""python -m resnet18_kit.bench.figures: (re)generate the documentation's figures (docs/figures/) from results folders.
+"""(Re)generate the documentation's figures (docs/figures/) from results folders (resnet18-kit figures).
 
 Each figure is written only when its input exists; one log line per figure says where it was written
 (and its size) or why it was skipped. Every figure is a PNG at 100 dpi, checked to be under 200 KB.
 
-  pipeline_throughput_vs_p99.png   --pipeline DIR: a `python -m resnet18_kit.bench` results folder whose summary.json
+  pipeline_throughput_vs_p99.png   --pipeline DIR: a `resnet18-kit bench run` results folder whose summary.json
       has the end-to-end part ("pipeline"). img/s (perf_analyzer's throughput; one image per request)
       against p99 latency (ms, perf_analyzer's p99_us / 1000), one panel per photo set, one line per
       variant and protocol, each point labelled with its concurrency; dashed: the variant's in-process
       saturation img/s.
-  tensor_throughput_vs_p99.png     --tensor DIR: a `python -m resnet18_kit.bench` results folder whose summary.json has
+  tensor_throughput_vs_p99.png     --tensor DIR: a `resnet18-kit bench run` results folder whose summary.json has
       the tensor sweeps ("configs"): infer/s against p99 ms of resnet18_onnx, one line per config.
-  planner_p99_predicted_vs_measured.png   --validation DIR: a `python -m resnet18_kit.planner validate` folder
+  planner_p99_predicted_vs_measured.png   --validation DIR: a `resnet18-kit plan validate` folder
       (validation.json, with predictions). The model's predicted p99 (ms, row "predicted" "p99_ms":
       Poisson arrivals at the level's rate, steady state) against perf_analyzer's measured p99 (ms,
       "measured" "p99_us" / 1000), one marker per config and load level, the y = x line and a +-25 % band.
-  soak_p99_memory.png              --soak DIR: a `python -m resnet18_kit.reliability.soak` output folder (its soak.json, or the
+  soak_p99_memory.png              --soak DIR: a `resnet18-kit reliability soak` output folder (its soak.json, or the
       newest soak-*/soak.json under it). Top: p50 and p99 latency of the answered requests per minute
       (ms); bottom: resident memory growth since the start (MiB) of tritonserver, each Python-backend stub
       and their total, per 5 s sample (start values in the legend); one time axis (minutes since the
       open-loop load began).
 
-Defaults: --pipeline and --tensor: the newest results/bench-* folder holding that part (full runs before
---quick ones); --validation: results/planner/validate; --soak: results/reliability. Bad input (a file
-that is not JSON, or lacks a field a figure needs) is one error line and exit status 2.
+Defaults (<results> is --results): --pipeline and --tensor: the newest <results>/bench-* folder holding
+that part (full runs before --quick ones); --validation: <results>/planner/validate; --soak:
+<results>/reliability; --out: the checkout's docs/figures (else ./docs/figures). Bad input (a file that is
+not JSON, or lacks a field a figure needs) is one error line and exit status 2; no figure written, 1.
 
-    .venv/bin/python -m resnet18_kit.bench.figures --pipeline results/<run> --validation results/planner/validate \\
-        --soak results/reliability
+    resnet18-kit figures --pipeline results/<run> --validation results/planner/validate --soak results/reliability
 """
 from __future__ import annotations
 
@@ -45,12 +45,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
 from resnet18_kit.bench.report import throughput_vs_p99_figure  # noqa: E402
-from resnet18_kit.contract import REPO_ROOT, bench_summaries, results_dir  # noqa: E402
+from resnet18_kit.settings import Settings, bench_summaries, checkout  # noqa: E402
 
-log = logging.getLogger("resnet18_kit.bench.figures")
+log = logging.getLogger(__name__)
 
-RESULTS = results_dir()
-FIGURES_DIR = REPO_ROOT / "docs" / "figures"
 DPI = 100
 #: Every written figure must be smaller than this (they are committed as documentation).
 MAX_FIGURE_BYTES = 200_000
@@ -88,7 +86,7 @@ def _summary_with(folder: Path, part: str) -> tuple[Path, dict]:
         raise Skip(f"no {path}")
     summary = read_json(path)
     if not isinstance(summary, dict):
-        raise BadInput(f"{path}: not a `python -m resnet18_kit.bench` summary (a JSON object)")
+        raise BadInput(f"{path}: not a `resnet18-kit bench run` summary (a JSON object)")
     if not summary.get(part):
         why = {"pipeline": "run without --skip-pipeline", "configs": "run without --skip-tensor-sweeps"}[part]
         raise Skip(f"{path} has no {part!r} part ({why})")
@@ -97,7 +95,7 @@ def _summary_with(folder: Path, part: str) -> tuple[Path, dict]:
 
 def newest_bench_folder(results: Path, part: str) -> Path:
     """The newest results/bench-*/ whose summary.json has `part` ("pipeline" or "configs"), full runs
-    before --quick ones (contract.bench_summaries). Skip when there is none."""
+    before --quick ones (settings.bench_summaries). Skip when there is none."""
     for path, summary in bench_summaries(results):
         if summary.get(part):
             return path.parent
@@ -274,27 +272,27 @@ def save(fig: plt.Figure, path: Path) -> int:
     return size_bytes
 
 
-def _pipeline(folder: Path | None) -> tuple[Path, plt.Figure]:
-    path, summary = _summary_with(folder or newest_bench_folder(RESULTS, "pipeline"), "pipeline")
+def _pipeline(folder: Path | None, results: Path) -> tuple[Path, plt.Figure]:
+    path, summary = _summary_with(folder or newest_bench_folder(results, "pipeline"), "pipeline")
     return path, pipeline_figure(summary, _date_of(path, summary.get("started_utc")))
 
 
-def _tensor(folder: Path | None) -> tuple[Path, plt.Figure]:
-    path, summary = _summary_with(folder or newest_bench_folder(RESULTS, "configs"), "configs")
+def _tensor(folder: Path | None, results: Path) -> tuple[Path, plt.Figure]:
+    path, summary = _summary_with(folder or newest_bench_folder(results, "configs"), "configs")
     title = (f"{summary['model']} tensor sweeps: infer/s vs p99 latency per config\n"
              f"(labels: concurrency; measured {_date_of(path, summary.get('started_utc'))})")
     return path, throughput_vs_p99_figure(summary, title)
 
 
-def _validation(folder: Path | None) -> tuple[Path, plt.Figure]:
-    folder = folder or RESULTS / "planner" / "validate"
+def _validation(folder: Path | None, results: Path) -> tuple[Path, plt.Figure]:
+    folder = folder or results / "planner" / "validate"
     path = folder if folder.is_file() else folder / "validation.json"
     if not path.is_file():
         raise Skip(f"no {path}")
     rows, failed, pending = validation_rows(read_json(path))
     if not rows:
         raise Skip(f"{path} has no predicted level yet ({pending} measured; a run in progress, or run "
-                   f"`python -m resnet18_kit.planner validate --predict-only --out {path.parent}`)")
+                   f"`resnet18-kit plan validate --predict-only --out {path.parent}`)")
     if failed or pending:
         log.info("validation: %d level(s) failed and %d without a prediction are not drawn", failed, pending)
     profiles = sorted(path.parent.glob("profile-*.json"))
@@ -302,8 +300,8 @@ def _validation(folder: Path | None) -> tuple[Path, plt.Figure]:
     return path, validation_figure(rows, _date_of(path, measured))
 
 
-def _soak(folder: Path | None) -> tuple[Path, plt.Figure]:
-    folder = folder or results_dir("reliability")
+def _soak(folder: Path | None, results: Path) -> tuple[Path, plt.Figure]:
+    folder = folder or results / "reliability"
     if not folder.exists():
         raise Skip(f"no {folder}")
     path = soak_file(folder)
@@ -311,14 +309,16 @@ def _soak(folder: Path | None) -> tuple[Path, plt.Figure]:
     return path, soak_figure(record, _date_of(path, path.parent.name))
 
 
-BUILDERS: dict[str, Callable[[Path | None], tuple[Path, plt.Figure]]] = {
+#: figure -> builder(input folder or None for the default, results folder) -> (input file, figure).
+BUILDERS: dict[str, Callable[[Path | None, Path], tuple[Path, plt.Figure]]] = {
     "pipeline": _pipeline, "tensor": _tensor, "validation": _validation, "soak": _soak}
 
 
-def generate(inputs: dict[str, Path | None], out_dir: Path, only: tuple[str, ...] = tuple(FIGURES)) -> dict[str, Path]:
+def generate(inputs: dict[str, Path | None], out_dir: Path, results: Path,
+             only: tuple[str, ...] = tuple(FIGURES)) -> dict[str, Path]:
     """Write every figure of `only` whose input exists into out_dir; returns {figure: path written}.
-    inputs: {figure: results folder or file, None for the default}. Missing inputs are logged and
-    skipped; BadInput for an input that is there but cannot be drawn."""
+    inputs: {figure: results folder or file, None for the default under `results` (module doc)}. Missing
+    inputs are logged and skipped; BadInput for an input that is there but cannot be drawn."""
     written = {}
     for name in only:
         source = inputs.get(name)
@@ -326,7 +326,7 @@ def generate(inputs: dict[str, Path | None], out_dir: Path, only: tuple[str, ...
             log.warning("%s: skipped: %s does not exist", FIGURES[name], source)
             continue
         try:
-            path, fig = BUILDERS[name](source)
+            path, fig = BUILDERS[name](source, results)
         except Skip as why:
             log.warning("%s: skipped: %s", FIGURES[name], why)
             continue
@@ -342,38 +342,43 @@ def generate(inputs: dict[str, Path | None], out_dir: Path, only: tuple[str, ...
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.bench.figures", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def default_out() -> Path:
+    """docs/figures of the checkout this package sits in, else ./docs/figures."""
+    return (checkout() or Path.cwd()) / "docs" / "figures"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """figures' options."""
     parser.add_argument("--pipeline", type=Path, metavar="DIR",
-                        help="python -m resnet18_kit.bench results folder with the end-to-end part "
-                             "(default: the newest results/bench-* that has it)")
+                        help="`resnet18-kit bench run` results folder with the end-to-end part "
+                             "(default: the newest <results>/bench-* that has it)")
     parser.add_argument("--tensor", type=Path, metavar="DIR",
-                        help="python -m resnet18_kit.bench results folder with the tensor sweeps "
-                             "(default: the newest results/bench-* that has them)")
+                        help="`resnet18-kit bench run` results folder with the tensor sweeps "
+                             "(default: the newest <results>/bench-* that has them)")
     parser.add_argument("--validation", type=Path, metavar="DIR",
-                        help="python -m resnet18_kit.planner validate folder (default: results/planner/validate)")
+                        help="`resnet18-kit plan validate` folder (default: <results>/planner/validate)")
     parser.add_argument("--soak", type=Path, metavar="DIR",
-                        help="python -m resnet18_kit.reliability.soak folder, or one soak-<time>/ in it (default: results/reliability)")
+                        help="`resnet18-kit reliability soak` folder, or one soak-<time>/ in it "
+                             "(default: <results>/reliability)")
     parser.add_argument("--only", nargs="+", choices=tuple(FIGURES), default=tuple(FIGURES), metavar="FIGURE",
                         help=f"write only these figures ({', '.join(FIGURES)}; default all)")
-    parser.add_argument("--out", type=Path, default=FIGURES_DIR, help="folder for the PNGs (default docs/figures)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="bench.figures: %(message)s", stream=sys.stderr)
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="folder for the PNGs (default: the checkout's docs/figures, else ./docs/figures)")
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Write the figures (module doc); exit status 0, 1 when none was written or one is too big, 2 for bad
+    input."""
     inputs = {"pipeline": args.pipeline, "tensor": args.tensor, "validation": args.validation, "soak": args.soak}
     try:
-        written = generate(inputs, args.out, tuple(args.only))
+        written = generate(inputs, args.out or default_out(), settings.results, tuple(args.only))
     except BadInput as exc:
-        log.error("error: %s", exc)
+        print(f"figures: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:  # a figure over MAX_FIGURE_BYTES
-        log.error("error: %s", exc)
+        print(f"figures: error: {exc}", file=sys.stderr)
         return 1
     if not written:
         log.warning("no figure written")
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resnet18_kit.contract import ONNX_PATH, TORCHSCRIPT_PATH, runtimes
+from resnet18_kit.repository import ModelRepository
 
 
 @dataclass
@@ -35,26 +35,29 @@ class InProcessResult:
     p99_ms: float = float("nan")
 
 
-#: load_runner's runtimes -> the exported file each runs.
-_RUNTIME_FILES = {"onnxruntime": ONNX_PATH, "torchscript": TORCHSCRIPT_PATH}
+#: load_runner's runtimes -> the ModelRepository property naming the exported file each runs.
+RUNTIME_FILES = {"onnxruntime": "onnx_path", "torchscript": "torchscript_path"}
 
 
-def load_runner(runtime: str, threads: int = 0):
-    """A function FP32 [N,3,224,224] -> logits FP32 [N,1000] for `runtime` ("onnxruntime": model.onnx,
-    "torchscript": model.pt), loaded once by the served models' own loader code
-    (model_repository/resnet18_onnx/1/runtimes.py, via resnet18_kit.contract.runtimes()); threads: intra-op
+def load_runner(repository: ModelRepository, runtime: str, threads: int = 0):
+    """A function FP32 [N,3,224,224] -> [logits FP32 [N,1000], probabilities FP32 [N,1000]] for `runtime`
+    ("onnxruntime": the repository's model.onnx, "torchscript": its model.pt), loaded once by the served
+    models' own loader code (resnet18_onnx/1/runtimes.py via ModelRepository.runtimes()); threads: intra-op
     threads, 0 = one per core. ONNX Runtime keeps its default spin-waiting here."""
-    if runtime not in _RUNTIME_FILES:
+    if runtime not in RUNTIME_FILES:
         raise ValueError(f"unknown runtime {runtime!r} (onnxruntime, torchscript)")
-    loaders = runtimes()
-    return loaders.load(loaders.RuntimeSpec(path=_RUNTIME_FILES[runtime], runtime=runtime, threads=threads))
+    loaders = repository.runtimes()
+    path = getattr(repository, RUNTIME_FILES[runtime])
+    return loaders.load(loaders.RuntimeSpec(path=path, runtime=runtime, threads=threads))
 
 
-def measure(runtime: str, batch_sizes: list[int], duration_s: float = 5.0, threads: int = 0,
-            runner=None) -> list[InProcessResult]:
+def measure(repository: ModelRepository | None, runtime: str, batch_sizes: list[int], duration_s: float = 5.0,
+            threads: int = 0, runner=None) -> list[InProcessResult]:
     """Time `runtime` at each batch size for about `duration_s` seconds (after 2 untimed warm-up runs,
-    at least 3 timed runs). Input: standard-normal FP32, the scale of normalized images."""
-    run = runner or load_runner(runtime, threads)
+    at least 3 timed runs). Input: standard-normal FP32 [batch, 3, 224, 224], the scale of normalized
+    images. `runner` (a loaded function) is timed when given, else load_runner(repository, runtime, threads)
+    (repository may then be None); `runtime` is also the result's label."""
+    run = runner or load_runner(repository, runtime, threads)
     results = []
     for batch_size in batch_sizes:
         batch = np.random.default_rng(batch_size).standard_normal((batch_size, 3, 224, 224), dtype=np.float32)
@@ -72,12 +75,14 @@ def measure(runtime: str, batch_sizes: list[int], duration_s: float = 5.0, threa
     return results
 
 
-def measure_parallel(batch_size: int, duration_s: float = 5.0, sessions: int | None = None) -> InProcessResult:
-    """ONNX Runtime, `sessions` single-threaded sessions (default: one per usable core), each run in a loop
+def measure_parallel(repository: ModelRepository, batch_size: int, duration_s: float = 5.0,
+                     sessions: int | None = None) -> InProcessResult:
+    """ONNX Runtime on the repository's model.onnx, `sessions` single-threaded sessions (default: one per
+    usable core), each run in a loop
     by its own Python thread (ONNX Runtime releases the GIL), for about `duration_s`. throughput: images/s
     of all sessions together; p50_ms / mean_ms: one batch on one session."""
     sessions = sessions or len(os.sched_getaffinity(0))
-    runners = [load_runner("onnxruntime", threads=1) for _ in range(sessions)]
+    runners = [load_runner(repository, "onnxruntime", threads=1) for _ in range(sessions)]
     batch = np.random.default_rng(batch_size).standard_normal((batch_size, 3, 224, 224), dtype=np.float32)
     for run in runners:
         run(batch)

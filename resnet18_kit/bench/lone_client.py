@@ -1,4 +1,4 @@
-"""python -m resnet18_kit.bench.lone_client: one client sending tensors to `resnet18_onnx`, every request timed.
+"""One client sending tensors to `resnet18_onnx`, every request timed (resnet18-kit bench lone-client).
 
 The check for Triton 2.51's lost wake-up (docs/benchmarks.md): with a bounded queue and one instance, a
 request that arrives as the instance finishes can wait 500 ms. A lone client is the worst case: each
@@ -10,13 +10,15 @@ spec, batch 1, bench.inprocess.measure): the figure a server cannot beat.
 
 Reports p50 / p99 / max ms and the requests over 200 ms, served and in-process, and the two checks:
 served p99 <= 2 x in-process batch-1 p99 (the mean of before and after), and no request over 200 ms.
-Writes results/lone-client-<UTC time>/lone_client.json.
+Writes <results>/lone-client-<UTC time>/lone_client.json (--out to choose the folder).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -24,11 +26,15 @@ from pathlib import Path
 import numpy as np
 
 from resnet18_kit.bench import inprocess
-from resnet18_kit.observe.model_config import config_parameters, variant_config
 from resnet18_kit.client.classifier import TritonClassifierClient
-from resnet18_kit.contract import (DEFAULT_VARIANT, ONNX_MODEL, ONNX_PATH, missing_artifacts, results_dir, runtimes,
-                                   variant_exists)
+from resnet18_kit.contract import DEFAULT_VARIANT, ONNX_MODEL
+from resnet18_kit.observe.model_config import ModelConfigView
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.settings import Settings, shown
+
+log = logging.getLogger(__name__)
+PREFIX = "resnet18-kit bench lone-client"
 
 #: A request slower than this is a stall (the lost wake-up sleeps 500 ms; a batch-1 execution takes ~12 ms).
 STALL_MS = 200.0
@@ -42,11 +48,13 @@ def latency_summary_ms(latencies_ms: np.ndarray) -> dict:
             "over_200_ms": int(np.sum(latencies_ms > STALL_MS))}
 
 
-def inprocess_batch1(variant: str, duration_s: float) -> dict:
-    """The variant's network in-process at batch 1 for duration_s: {p50_ms, p99_ms, img_per_s}."""
-    spec = runtimes().RuntimeSpec.from_parameters(config_parameters(variant_config(ONNX_MODEL, variant)),
-                                                  ONNX_PATH.parent)
-    (result,) = inprocess.measure(spec.runtime, [1], duration_s=duration_s, runner=runtimes().load(spec))
+def inprocess_batch1(repository: ModelRepository, variant: str, duration_s: float) -> dict:
+    """The variant's network in-process at batch 1 (FP32 [1, 3, 224, 224]) for duration_s seconds:
+    {p50_ms, p99_ms (milliseconds per batch), img_per_s}."""
+    loaders = repository.runtimes()
+    parameters = ModelConfigView.for_variant(repository, ONNX_MODEL, variant).parameters
+    spec = loaders.RuntimeSpec.from_parameters(parameters, repository.onnx_path.parent)
+    (result,) = inprocess.measure(repository, spec.runtime, [1], duration_s=duration_s, runner=loaders.load(spec))
     return {"p50_ms": result.p50_ms, "p99_ms": result.p99_ms, "img_per_s": result.throughput}
 
 
@@ -64,16 +72,18 @@ def served_lone_client(url: str, seconds: float) -> np.ndarray:
     return np.array(latencies)
 
 
-def measure(variant: str, seconds: float, inprocess_s: float, out: Path,
+def measure(repository: ModelRepository, variant: str, seconds: float, inprocess_s: float, out: Path,
             served_repository: Path | None = None) -> dict:
-    """In-process, served for `seconds` (from `served_repository` when given), in-process again; the
-    record written by main(). The server's log goes to out/tritonserver.log."""
-    before = inprocess_batch1(variant, inprocess_s)
+    """In-process, served for `seconds` (from `served_repository` when given, else `repository`),
+    in-process again (`repository`'s network); the record `run` writes. The server's log goes to
+    out/tritonserver.log."""
+    before = inprocess_batch1(repository, variant, inprocess_s)
     config = config_on_free_ports(model_config_name=None if variant == DEFAULT_VARIANT else variant,
-                                  **({"model_repository": served_repository} if served_repository else {}))
+                                  model_repository=served_repository or repository.root)
+    log.info("serving %s; one gRPC client for %g s", variant, seconds)
     with EmbeddedTritonServer(config, log_path=out / "tritonserver.log"):
         served = latency_summary_ms(served_lone_client(config.grpc_url, seconds))
-    after = inprocess_batch1(variant, inprocess_s)
+    after = inprocess_batch1(repository, variant, inprocess_s)
     reference_p99_ms = (before["p99_ms"] + after["p99_ms"]) / 2
     return {"variant": variant, "seconds": seconds, "served_repository": str(served_repository or ""),
             "served": served,
@@ -85,35 +95,38 @@ def measure(variant: str, seconds: float, inprocess_s: float, out: Path,
                  "measured": f"{served['over_200_ms']} of {served['requests']} (max {served['max_ms']:.1f} ms)"}]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.bench.lone_client", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """lone-client's options."""
     parser.add_argument("--variant", default=DEFAULT_VARIANT, help="config variant (default: config.pbtxt)")
-    parser.add_argument("--seconds", type=float, default=60.0, help="length of the served run (default 60)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of the served run, s (default 60)")
     parser.add_argument("--inprocess-s", type=float, default=5.0, help="in-process seconds, before and after")
-    parser.add_argument("--out", type=Path, help="results folder (default results/lone-client-<time>)")
+    parser.add_argument("--out", type=Path, help="results folder (default <results>/lone-client-<time>)")
     parser.add_argument("--served-repository", type=Path, metavar="DIR",
                         help="serve from this model repository (e.g. an older checkout's, for a before/after); "
-                             "the in-process figure is this checkout's")
-    args = parser.parse_args(argv)
-    if missing_artifacts():
-        print("bench.lone_client: model files missing: run `make export` first", file=sys.stderr)
-        return 2
-    if not variant_exists(args.variant):
-        print(f"bench.lone_client: no configs/{args.variant}.pbtxt in the model repository", file=sys.stderr)
-        return 2
-    if args.served_repository is not None and not (args.served_repository / "resnet18_onnx").is_dir():
-        print(f"bench.lone_client: --served-repository: no model repository with resnet18_onnx at "
-              f"{args.served_repository}", file=sys.stderr)
-        return 2
-    if args.seconds <= 0 or args.inprocess_s <= 0:
-        print("bench.lone_client: --seconds and --inprocess-s must be > 0", file=sys.stderr)
+                             "the in-process figure is --model-repository's")
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Measure (module doc); exit status 0, 2 for a bad command line or missing model files."""
+    repository = settings.repository
+    problem = None
+    if repository.missing_artifacts():
+        problem = "model files missing: run `resnet18-kit export` first"
+    elif args.variant not in repository.variant_names():
+        problem = (f"--variant {args.variant!r}: no configs/{args.variant}.pbtxt in {repository.root} "
+                   f"(one of {', '.join(repository.variant_names())})")
+    elif args.served_repository is not None and not (args.served_repository / ONNX_MODEL).is_dir():
+        problem = f"--served-repository: no model repository with {ONNX_MODEL} at {args.served_repository}"
+    elif args.seconds <= 0 or args.inprocess_s <= 0:
+        problem = "--seconds and --inprocess-s must be > 0"
+    if problem:
+        print(f"{PREFIX}: {problem}", file=sys.stderr)
         return 2
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or results_dir() / f"lone-client-{stamp:%Y%m%d-%H%M%S}"
+    out = args.out or settings.results_dir(f"lone-client-{stamp:%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
-    record = measure(args.variant, args.seconds, args.inprocess_s, out, args.served_repository)
-    record["command"] = "python -m resnet18_kit.bench.lone_client " + " ".join(argv if argv is not None else sys.argv[1:])
+    record = measure(repository, args.variant, args.seconds, args.inprocess_s, out, args.served_repository)
+    record["command"] = "resnet18-kit " + shlex.join(sys.argv[1:])
     (out / "lone_client.json").write_text(json.dumps(record, indent=2) + "\n")
     s = record["served"]
     print(f"served ({args.variant}, gRPC, 1 client, {args.seconds:g} s): {s['requests']} requests, "
@@ -122,9 +135,5 @@ def main(argv: list[str] | None = None) -> int:
           f"{record['inprocess_after']['p99_ms']:.1f} ms (before / after)")
     for check in record["checks"]:
         print(f"  {'met   ' if check['met'] else 'MISSED'} {check['name']}: {check['measured']}")
-    print(f"bench.lone_client: {out / 'lone_client.json'}")
+    print(f"{PREFIX}: {shown(out / 'lone_client.json')}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 (preprocess -> resnet18_onnx), served, against the same pipeline in-process.
 
 For each config variant (a server-wide tritonserver `--model-config-name`; "default" = config.pbtxt
-everywhere), the embedded tritonserver is restarted with it (as resnet18_kit/bench/__main__.py's run_config does), and
+everywhere), the embedded tritonserver is restarted with it (as resnet18_kit/bench/sweeps.py's run_config does), and
 for each photo set (resnet18_kit/load/photos.py: "sample", "12mp"):
   1. the in-process twin (resnet18_kit/bench/pipeline_inprocess.py: the same decode/transform code and network
      runtime, batch size and decode threads as the variant's configs) is measured: saturation img/s and
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from resnet18_kit.load.perf_analyzer import LoadSpec, run_level
@@ -31,8 +31,8 @@ from resnet18_kit.observe.model_config import served_config
 from resnet18_kit.bench.pipeline_inprocess import PipelineTwin, mean_of
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
 from resnet18_kit.client.classifier import TritonClassifierClient
-from resnet18_kit.contract import (DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, results_dir,
-                                   variant_exists)
+from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 #: The ensemble's steps, in order: where a request's time goes on the server.
@@ -59,9 +59,12 @@ class PipelineOptions:
     measurement_ms: perf_analyzer's window per level (stabilized windows) when request_window_s is 0;
     request_window_s > 0 (--quick): measure a fixed request count instead, about this many seconds' worth
     at the in-process rate (`request_count`); saturation_s / batch1_s: in-process timed seconds per
-    figure; photos_root: the results folder under which generated photo sets are cached."""
+    figure; repository: the model repository served and run in-process; photos_root: the results folder
+    under which generated photo sets are cached."""
 
     variants: tuple[str, ...]
+    repository: ModelRepository
+    photos_root: Path
     photo_sets: tuple[str, ...] = PHOTO_SETS
     protocols: tuple[str, ...] = ("grpc", "http")
     levels: tuple[int, ...] = FULL_LEVELS
@@ -69,9 +72,8 @@ class PipelineOptions:
     request_window_s: float = 0.0
     saturation_s: float = 6.0
     batch1_s: float = 4.0
-    photos_root: Path = results_dir()
     #: Serve from this model repository instead (e.g. an older checkout's, for a before/after figure);
-    #: the in-process twin still reads this checkout's configs and runs this checkout's code.
+    #: the in-process twin still reads `repository`'s configs and runs its code.
     served_repository: Path | None = None
 
     @property
@@ -80,20 +82,21 @@ class PipelineOptions:
         return len(self.variants) * len(self.photo_sets) * len(self.protocols) * len(self.levels)
 
 
-def default_variants() -> tuple[str, ...]:
-    """PREFERRED_VARIANTS that exist in the model repository."""
-    return tuple(v for v in PREFERRED_VARIANTS if variant_exists(v))
+def default_variants(repository: ModelRepository) -> tuple[str, ...]:
+    """PREFERRED_VARIANTS that exist in `repository` (ModelRepository.variant_names)."""
+    return tuple(v for v in PREFERRED_VARIANTS if v in repository.variant_names())
 
 
-def pipeline_options(quick: bool, variants: list[str] | None = None, measurement_ms: int | None = None,
-                     photos_root: Path | None = None) -> PipelineOptions:
+def pipeline_options(repository: ModelRepository, photos_root: Path, quick: bool, variants: list[str] | None = None,
+                     measurement_ms: int | None = None) -> PipelineOptions:
     """--quick: gRPC only, concurrency 1 and 32, fixed request counts of ~2.5 s, 2 s + 1.5 s in-process;
-    full: gRPC and HTTP, concurrency 1 to 32, stabilized windows, 6 s + 4 s in-process."""
-    unknown = [v for v in variants or () if not variant_exists(v)]
+    full: gRPC and HTTP, concurrency 1 to 32, stabilized windows, 6 s + 4 s in-process. photos_root: the
+    results folder (photo sets cached under it). ValueError naming variants `repository` lacks."""
+    unknown = [v for v in variants or () if v not in repository.variant_names()]
     if unknown:
         raise ValueError(f"no configs/<name>.pbtxt in the model repository for variant(s) {', '.join(unknown)}")
-    options = PipelineOptions(variants=tuple(variants or default_variants()),
-                              photos_root=photos_root or results_dir())
+    options = PipelineOptions(variants=tuple(variants or default_variants(repository)), repository=repository,
+                              photos_root=photos_root)
     if quick:
         options = replace(options, protocols=("grpc",), levels=QUICK_LEVELS, request_window_s=2.5,
                           saturation_s=2.0, batch1_s=1.5)
@@ -162,8 +165,7 @@ def run_variant(variant: str, photos: dict[str, list[Path]], run_dir: Path, opti
     out = run_dir / "pipeline" / variant
     out.mkdir(parents=True)
     server_config = config_on_free_ports(model_config_name=None if variant == DEFAULT_VARIANT else variant,
-                                         **({"model_repository": options.served_repository}
-                                            if options.served_repository else {}))
+                                         model_repository=options.served_repository or options.repository.root)
     server = EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log")
     if progress is not None:
         progress.set_description(f"pipeline {variant}: starting tritonserver")
@@ -174,7 +176,7 @@ def run_variant(variant: str, photos: dict[str, list[Path]], run_dir: Path, opti
                       "triton_version": client.raw.get_server_metadata()["version"],
                       "process_to_ready_s": ready_s,
                       "served": {model: served_config(client, model) for model in STEP_MODELS}}
-        twin = PipelineTwin(variant)
+        twin = PipelineTwin(options.repository, variant)
         record["inprocess_twin"] = twin.describe()
         record["photo_sets"] = []
         for name, paths in photos.items():
@@ -204,7 +206,8 @@ def run_pipeline(run_dir: Path, options: PipelineOptions, progress=None) -> dict
     started = time.time()
     photos = {name: photo_set(name, options.photos_root) for name in options.photo_sets}
     variants = [run_variant(v, photos, run_dir, options, progress) for v in options.variants]
-    pipeline = {"options": {**asdict(options), "photos_root": str(options.photos_root),
+    pipeline = {"options": {**{f.name: getattr(options, f.name) for f in fields(options)},
+                            "repository": str(options.repository.root), "photos_root": str(options.photos_root),
                             "served_repository": str(options.served_repository or "")},
                 "photo_sets": {name: [{"file": p.name, "bytes": p.stat().st_size} for p in paths]
                                for name, paths in photos.items()},

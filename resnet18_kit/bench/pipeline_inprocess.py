@@ -1,15 +1,15 @@
 """The end-to-end pipeline in-process, with no server: the twin a served config variant is measured against.
 
 Encoded photo bytes -> decode + transform (the preprocess model's own code,
-model_repository/preprocess/1/image_transform.py via resnet18_kit.contract.image_transform(), with the limits
-of the variant's preprocess config) -> FP32 [B, 3, 224, 224] -> the network (the resnet18_onnx model's own
-loader, runtimes.py via resnet18_kit.contract.runtimes(): RuntimeSpec.from_parameters with the parameters of
-the variant's resnet18_onnx config, then runtimes.load) -> logits FP32 [B, 1000]. What the twin copies
-from the variant's configs (resnet18_kit/observe/model_config.py):
+preprocess/1/image_transform.py of the model repository via ModelRepository.image_transform(), with the
+limits of the variant's preprocess config) -> FP32 [B, 3, 224, 224] -> the network (the resnet18_onnx
+model's own loader, runtimes.py via ModelRepository.runtimes(): RuntimeSpec.from_parameters with the
+parameters of the variant's resnet18_onnx config, then runtimes.load) -> logits FP32 [B, 1000]. What the
+twin copies from the variant's configs (observe.model_config.ModelConfigView):
   * B = the network config's max_batch_size;
   * decode threads = the preprocess config's instance count (Pillow's decoders and resize, and numpy's
     arithmetic, release the GIL, so threads decode in parallel as the stub processes do);
-  * network workers = how many network instances Triton runs at once (pipeline_config.
+  * network workers = how many network instances Triton runs at once (ModelConfigView.
     concurrent_executions: 1 for the default config, whose two instances share the rate limiter's
     "cores"; 2 for int8's two single-threaded instances), each with its own runtime session.
 
@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from resnet18_kit.observe.model_config import (concurrent_executions, config_parameters, instance_count,
-                                   variant_config)
-from resnet18_kit.contract import IMAGE_SHAPE, ONNX_MODEL, ONNX_PATH, PREPROCESS_MODEL, image_transform, runtimes
+from resnet18_kit.contract import IMAGE_SHAPE, ONNX_MODEL, PREPROCESS_MODEL
+from resnet18_kit.observe.model_config import ModelConfigView
+from resnet18_kit.repository import ModelRepository
 
 #: Batches the decode threads may have filled ahead of the network (the queue between the two stages).
 QUEUE_DEPTH = 2
@@ -71,20 +71,21 @@ class InProcessPipelineResult:
 class PipelineTwin:
     """A config variant's pipeline in-process (see the module docstring), its runtimes loaded once.
 
-    variant: a tritonserver --model-config-name ("default" = config.pbtxt everywhere).
+    repository: the model repository whose configs, code and exported files it runs; variant: a
+    tritonserver --model-config-name ("default" = config.pbtxt everywhere).
     Attributes: spec (runtimes.RuntimeSpec of the variant's network), batch_size, decode_threads,
     network_workers, limits (image_transform.ImageLimits of the variant's preprocess config)."""
 
-    def __init__(self, variant: str):
-        network = variant_config(ONNX_MODEL, variant)
-        preprocess = variant_config(PREPROCESS_MODEL, variant)
-        loaders, transform = runtimes(), image_transform()
+    def __init__(self, repository: ModelRepository, variant: str):
+        network = ModelConfigView.for_variant(repository, ONNX_MODEL, variant)
+        preprocess = ModelConfigView.for_variant(repository, PREPROCESS_MODEL, variant)
+        loaders, transform = repository.runtimes(), repository.image_transform()
         self.variant = variant
-        self.spec = loaders.RuntimeSpec.from_parameters(config_parameters(network), ONNX_PATH.parent)
-        self.batch_size = int(network.max_batch_size)
-        self.decode_threads = instance_count(preprocess)
-        self.network_workers = concurrent_executions(network)
-        params = config_parameters(preprocess)
+        self.spec = loaders.RuntimeSpec.from_parameters(network.parameters, repository.onnx_path.parent)
+        self.batch_size = network.max_batch_size
+        self.decode_threads = preprocess.instance_count()
+        self.network_workers = network.concurrent_executions()
+        params = preprocess.parameters
         self.limits = transform.ImageLimits(max_image_bytes=int(params["max_image_bytes"]),
                                             max_image_pixels=int(params["max_image_pixels"]),
                                             max_aspect_ratio=float(params["max_aspect_ratio"]))

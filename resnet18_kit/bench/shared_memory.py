@@ -1,14 +1,15 @@
-"""python -m resnet18_kit.bench.shared_memory: what system shared memory saves over plain transfer, batch of 32.
+"""What system shared memory saves over plain transfer, batch of 32 (resnet18-kit bench shared-memory).
 
 Starts the embedded tritonserver with the `throughput` variant (resnet18_onnx accepts batches of 32),
 then, in the same run and interleaved, sends the same FP32 [32, 3, 224, 224] batch (19.3 MB in, 128 kB
 out) with `TritonClassifierClient(shared_memory=False)` and `(shared_memory=True)`, over HTTP and gRPC.
 Prints per call: wall time (ms, mean and p50) and the client process's CPU time (ms), and what shared
-memory changes. Not a test: figures depend on the machine; docs/benchmarks.md quotes a run.
+memory changes (stdout). The server's log: <results>/bench-shared-memory-tritonserver.log. Not a test: figures depend on the machine; docs/benchmarks.md quotes a run.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -16,8 +17,11 @@ import time
 import numpy as np
 
 from resnet18_kit.client.classifier import TritonClassifierClient
-from resnet18_kit.contract import ONNX_MODEL, PROTOCOLS, results_dir
+from resnet18_kit.contract import ONNX_MODEL, PROTOCOLS
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.settings import Settings, shown
+
+log = logging.getLogger(__name__)
 
 
 def time_calls(client: TritonClassifierClient, batch: np.ndarray, repeats: int) -> tuple[list[float], list[float]]:
@@ -31,22 +35,28 @@ def time_calls(client: TritonClassifierClient, batch: np.ndarray, repeats: int) 
     return walls, cpus
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.bench.shared_memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=32)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """shared-memory's options."""
+    parser.add_argument("--batch-size", type=int, default=32, help="rows of FP32 [3, 224, 224] per call (default 32)")
     parser.add_argument("--repeats", type=int, default=10, help="calls per mode and round (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="alternations plain/shared (default 3)")
-    args = parser.parse_args(argv)
 
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Measure and print (module doc); exit status 0, 2 for a bad command line."""
+    if args.batch_size < 1 or args.repeats < 1 or args.rounds < 1:
+        print("resnet18-kit bench shared-memory: --batch-size, --repeats and --rounds must be >= 1", file=sys.stderr)
+        return 2
     batch = np.random.default_rng(0).standard_normal((args.batch_size, 3, 224, 224), dtype=np.float32)
-    log = results_dir() / "bench-shared-memory-tritonserver.log"
-    log.parent.mkdir(exist_ok=True)
-    config = config_on_free_ports(model_config_name="throughput")
+    server_log = settings.results_dir("bench-shared-memory-tritonserver.log")
+    server_log.parent.mkdir(parents=True, exist_ok=True)
+    config = config_on_free_ports(model_config_name="throughput", model_repository=settings.model_repository)
     print(f"batch FP32 {list(batch.shape)}: {batch.nbytes / 1e6:.1f} MB in, "
           f"{args.batch_size * 4000 / 1e3:.0f} kB out; {args.rounds} rounds x {args.repeats} calls per mode")
-    with EmbeddedTritonServer(config, log_path=log):
+    log.info("starting tritonserver with the throughput variant (log: %s)", shown(server_log))
+    with EmbeddedTritonServer(config, log_path=server_log):
         for protocol in PROTOCOLS:
+            log.info("%s: %d rounds", protocol, args.rounds)
             url = config.url(protocol)
             samples = {False: ([], []), True: ([], [])}
             with TritonClassifierClient(url, protocol) as plain, \
@@ -69,7 +79,3 @@ def main(argv: list[str] | None = None) -> int:
                   f"({saved_wall / statistics.mean(samples[False][0]):.1%} of the plain wall time), "
                   f"client CPU {saved_cpu * 1e3:.1f} ms per call")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,7 @@
 """The asyncio client: `AsyncTritonClassifierClient`, the twin of client.classifier.TritonClassifierClient
 (same arguments, methods, retries, deadlines and typed errors, as coroutines over tritonclient.http.aio /
-tritonclient.grpc.aio; see client.classifier for the behaviour both share).
+tritonclient.grpc.aio). Both are shells around client.core.ClientCore; see client.classifier for the
+behaviour they share.
 
     async with AsyncTritonClassifierClient("127.0.0.1:8000", protocol="http") as client:
         top5 = await client.classify([image_bytes])  # [[Prediction, ...]]
@@ -11,16 +12,13 @@ import asyncio
 from typing import Sequence
 
 import numpy as np
-from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.client.classifier import (UNREGISTER_TRIES, UNREGISTER_WAIT_S, Prediction, _ClientBase, _metadata_json,
-                                            _Retry)
-from resnet18_kit.client.errors import ServerUnavailableError, from_triton
-from resnet18_kit.client.shared_memory import TensorRegions
+from resnet18_kit.client.core import Call, ClientCore, Prediction, Sleep, Steps, advance
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL
+from resnet18_kit.observe.model_config import ModelConfigView
 
 
-class AsyncTritonClassifierClient(_ClientBase):
+class AsyncTritonClassifierClient(ClientCore):
     """The asyncio twin of `TritonClassifierClient`: the same arguments, methods and errors, as
     coroutines, over tritonclient.http.aio / tritonclient.grpc.aio. Use `async with`."""
 
@@ -39,105 +37,70 @@ class AsyncTritonClassifierClient(_ClientBase):
         """The underlying tritonclient aio InferenceServerClient."""
         return self._client
 
-    async def _call(self, awaitable):
-        try:
-            return await awaitable
-        except InferenceServerException as exc:
-            raise from_triton(exc) from None
-        except (ConnectionError, OSError) as exc:
-            raise ServerUnavailableError(f"cannot reach the server at {self.url}: {exc}") from None
+    async def _perform(self, call: Call):
+        answer = getattr(self._client, call.name)(*call.args, **call.kwargs)
+        if call.name == "infer":
+            return await asyncio.wait_for(answer, call.timeout_s)
+        return await answer
+
+    async def _run(self, steps: Steps):
+        """Drive a core operation: await each Call, asyncio.sleep each Sleep, return the result."""
+        done, step = advance(steps)
+        while not done:
+            try:
+                answer = await (asyncio.sleep(step.seconds) if isinstance(step, Sleep) else self._perform(step))
+            except Exception as exc:
+                done, step = advance(steps, failure=exc)
+            else:
+                done, step = advance(steps, answer)
+        return step
 
     async def is_server_live(self) -> bool:
-        return await self._call(self._client.is_server_live())
+        return await self._run(self._is_server_live())
 
     async def is_server_ready(self) -> bool:
-        return await self._call(self._client.is_server_ready())
+        return await self._run(self._is_server_ready())
 
     async def is_model_ready(self, model: str) -> bool:
-        return await self._call(self._client.is_model_ready(model))
+        return await self._run(self._is_model_ready(model))
+
+    async def server_metadata(self) -> dict:
+        """The server's KServe v2 metadata {"name", "version", "extensions"}; ServerUnavailableError when
+        the endpoint is not a Triton server."""
+        return await self._run(self._server_metadata())
 
     async def model_metadata(self, model: str) -> dict:
         """As `TritonClassifierClient.model_metadata`."""
-        if self.protocol == "http":
-            return await self._call(self._client.get_model_metadata(model))
-        return _metadata_json(await self._call(self._client.get_model_metadata(model, as_json=True)))
+        return await self._run(self._model_metadata(model))
 
     async def model_config(self, model: str) -> dict:
         """As `TritonClassifierClient.model_config`."""
-        if model not in self._configs:
-            if self.protocol == "http":
-                self._configs[model] = await self._call(self._client.get_model_config(model))
-            else:
-                reply = await self._call(self._client.get_model_config(model, as_json=True))
-                self._configs[model] = reply["config"]
-        return self._configs[model]
+        return await self._run(self._model_config(model))
 
-    async def _infer(self, model: str, build, parse, deadline_s: float | None):
-        await self.model_config(model)
-        retry = _Retry(self.retry_policy, self.retry_policy.deadline_s if deadline_s is None else deadline_s)
-        while True:
-            try:
-                inputs, outputs = build()
-                remaining_s = retry.remaining_s()
-                timeout = self._server_timeout(model, remaining_s)
-                if self.protocol == "grpc":
-                    timeout["client_timeout"] = remaining_s
-                call = self._client.infer(model, inputs, outputs=outputs, **timeout)
-                return parse(await asyncio.wait_for(call, remaining_s))
-            except (InferenceServerException, asyncio.TimeoutError, ConnectionError, OSError) as exc:
-                wait = retry.wait_after(exc)
-                self.retries += 1
-                await asyncio.sleep(wait)
+    async def model_config_view(self, model: str) -> ModelConfigView:
+        """As `TritonClassifierClient.model_config_view`."""
+        return await self._run(self._model_config_view(model))
+
+    async def weights_meaningful(self, model: str = ENSEMBLE_MODEL) -> bool | None:
+        """As `TritonClassifierClient.weights_meaningful`."""
+        return await self._run(self._weights_meaningful(model))
 
     async def classify(self, images: Sequence[bytes], top_k: int = 5, model: str = ENSEMBLE_MODEL,
                        deadline_s: float | None = None) -> list[list[Prediction]]:
         """As `TritonClassifierClient.classify`."""
-        return await self._infer(model, lambda: self._classify_request(images, top_k),
-                                 lambda result: self._predictions(result, len(images)), deadline_s)
+        return await self._run(self._classify(images, top_k, model, deadline_s))
 
     async def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL,
                            deadline_s: float | None = None) -> np.ndarray:
         """As `TritonClassifierClient.infer_tensor`."""
         if not self.shared_memory:
-            return await self._infer(model, lambda: self._tensor_request(batch, None),
-                                     lambda result: self._logits(result, len(batch), None), deadline_s)
+            return await self._run(self._infer_tensor(batch, model, deadline_s))
         async with self._lock:
-            regions = await self._regions_for(model)
-            return await self._infer(model, lambda: self._tensor_request(batch, regions),
-                                     lambda result: self._logits(result, len(batch), regions), deadline_s)
-
-    async def _regions_for(self, model: str) -> TensorRegions:
-        if model not in self._regions:
-            await self.model_config(model)
-            regions = self._new_regions(model)
-            try:
-                for name, key, size in regions.registrations():
-                    await self._call(self._client.register_system_shared_memory(name, key, size))
-            except BaseException:
-                await self._release(regions)
-                raise
-            self._regions[model] = regions
-        return self._regions[model]
-
-    async def _release(self, regions: TensorRegions) -> None:
-        for name, _, _ in regions.registrations():
-            for attempt in range(UNREGISTER_TRIES):
-                try:
-                    await self._client.unregister_system_shared_memory(name)
-                    break
-                except InferenceServerException as exc:
-                    if "in use" not in (exc.message() or "") or attempt == UNREGISTER_TRIES - 1:
-                        break
-                    await asyncio.sleep(UNREGISTER_WAIT_S)
-                except Exception:
-                    break
-        regions.close()
+            return await self._run(self._infer_tensor(batch, model, deadline_s))
 
     async def close(self) -> None:
         """Unregister and destroy shared-memory regions, then close the connection (idempotent)."""
-        while self._regions:
-            await self._release(self._regions.popitem()[1])
-        await self._client.close()
+        await self._run(self._close())
 
     async def __aenter__(self) -> "AsyncTritonClassifierClient":
         return self

@@ -1,4 +1,4 @@
-"""python -m resnet18_kit.client.async_pipeline: an asyncio producer/consumer pipeline against the `resnet18` ensemble.
+"""An asyncio producer/consumer pipeline against the `resnet18` ensemble (resnet18-kit bench async-pipeline).
 
 One producer task sends single-image requests at --rate requests/s (Poisson arrivals; 0 = as fast as the
 in-flight limit allows), with at most --max-in-flight outstanding; the server's dynamic batcher, not the
@@ -8,7 +8,10 @@ behind, and any unexpected error cancels the rest and is raised.
 
 Prints client-side latency percentiles (ms, from send to answer, retries of a full queue included),
 throughput (requests/s), queue-full retries, and the average batch size the server formed per model
-(nv_inference_count / nv_inference_exec_count from the metrics endpoint, this run's increase).
+(nv_inference_count / nv_inference_exec_count from --metrics-url, this run's increase).
+
+Exit status: 0 every request answered; 1 some failed (each one line on stderr); 2 nothing measured: bad
+options, no image files, the server unreachable or the model not ready, the metrics unreadable (one line).
 """
 from __future__ import annotations
 
@@ -24,13 +27,13 @@ import numpy as np
 
 from resnet18_kit.client.backoff import RetryPolicy
 from resnet18_kit.client.async_client import AsyncTritonClassifierClient
-from resnet18_kit.contract import DEFAULT_URLS, PROTOCOLS
 from resnet18_kit.client.errors import InferenceError
 from resnet18_kit.observe.metrics import average_batch_size, model_counters
 from resnet18_kit.client.samples import expand_paths, sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
 
 BATCHED_MODELS = (PREPROCESS_MODEL, ONNX_MODEL)
+PREFIX = "resnet18-kit bench async-pipeline"
 
 
 async def run_pipeline(client: AsyncTritonClassifierClient, images: list[bytes], requests: int,
@@ -75,26 +78,29 @@ def percentiles_ms(latencies_s: list[float]) -> dict[str, float]:
     return {**marks, "max": float(values.max()), "mean": float(values.mean())}
 
 
-async def main_async(args: argparse.Namespace) -> int:
+async def measure(args: argparse.Namespace, url: str, protocol: str, metrics_url: str) -> int:
+    """Run the pipeline against the server at `url` and print its figures (module doc); the exit status.
+    Raises InferenceError (server), FileNotFoundError (no images), OSError (metrics endpoint)."""
     images = [p.read_bytes() for p in (expand_paths(args.paths) if args.paths else sample_photos())]
     if not images:
         raise FileNotFoundError(f"no image files in {' '.join(map(str, args.paths))}")
     retry = RetryPolicy(deadline_s=args.deadline_s)
-    async with AsyncTritonClassifierClient(args.url, args.protocol, retry=retry) as client:
+    async with AsyncTritonClassifierClient(url, protocol, retry=retry) as client:
+        await client.server_metadata()
         if not await client.is_model_ready(ENSEMBLE_MODEL):
-            print(f"async_pipeline: model '{ENSEMBLE_MODEL}' is not ready at {args.url}", file=sys.stderr)
+            print(f"{PREFIX}: model '{ENSEMBLE_MODEL}' is not ready at {url} ({protocol})", file=sys.stderr)
             return 2
-        before = {m: model_counters(args.metrics_url, m) for m in BATCHED_MODELS}
+        before = {m: await asyncio.to_thread(model_counters, metrics_url, m) for m in BATCHED_MODELS}
         started = time.perf_counter()
         latencies, failures = await run_pipeline(client, images, args.requests, args.rate,
                                                  args.max_in_flight, args.seed)
         elapsed = time.perf_counter() - started
         retries = client.retries
-    after = {m: await asyncio.to_thread(model_counters, args.metrics_url, m) for m in BATCHED_MODELS}
+    after = {m: await asyncio.to_thread(model_counters, metrics_url, m) for m in BATCHED_MODELS}
 
     print(f"{len(latencies)} answered, {failures} failed, {retries} queue-full retries, "
           f"in {elapsed:.2f} s = {len(latencies) / elapsed:.1f} requests/s "
-          f"({args.protocol}, {args.max_in_flight} in flight, rate "
+          f"({protocol}, {args.max_in_flight} in flight, rate "
           f"{'unpaced' if args.rate <= 0 else f'{args.rate:g}/s Poisson'})")
     if latencies:
         print("latency ms: " + "  ".join(f"{k} {v:.1f}" for k, v in percentiles_ms(latencies).items()))
@@ -106,36 +112,36 @@ async def main_async(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.client.async_pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pipeline's options; the server address options come from settings.add_server_address_options."""
+    from resnet18_kit.settings import add_server_address_options
+
     parser.add_argument("paths", nargs="*", type=Path,
                         help="image files or folders to send, cycled (default: the sample photos of scikit-image)")
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="grpc")
-    parser.add_argument("--url", help="host:port (default 127.0.0.1:8001 for grpc, :8000 for http)")
-    parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
     parser.add_argument("--requests", type=int, default=512, help="requests to send (default 512)")
     parser.add_argument("--rate", type=float, default=0.0,
                         help="mean requests/s, Poisson arrivals; 0 = unpaced (default)")
     parser.add_argument("--max-in-flight", type=int, default=64, help="outstanding requests (default 64)")
-    parser.add_argument("--deadline-s", type=float, default=60.0, help="per request, retries included")
+    parser.add_argument("--deadline-s", type=float, default=60.0, help="per request, retries included, seconds")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    args = parser.parse_args(argv)
-    if args.requests < 1 or args.max_in_flight < 1 or args.rate < 0 or args.deadline_s <= 0:
-        parser.error("--requests and --max-in-flight must be >= 1, --rate >= 0, --deadline-s > 0")
-    args.url = args.url or DEFAULT_URLS[args.protocol]
+    add_server_address_options(parser)
+
+
+def run(settings, args: argparse.Namespace) -> int:
+    """Run the pipeline against settings.url / settings.protocol, batches from settings.metrics_url."""
+    if args.requests < 1 or args.max_in_flight < 1 or args.rate < 0 or not args.deadline_s > 0:
+        print(f"{PREFIX}: --requests and --max-in-flight must be >= 1, --rate >= 0, --deadline-s > 0",
+              file=sys.stderr)
+        return 2
+    url, protocol = settings.url, settings.protocol
     try:
-        return asyncio.run(main_async(args))
+        return asyncio.run(measure(args, url, protocol, settings.metrics_url))
     except InferenceError as exc:
-        print(f"async_pipeline: {args.protocol} server at {args.url}: {exc.message}", file=sys.stderr)
+        print(f"{PREFIX}: {protocol} server at {url}: {' '.join(exc.message.split())}", file=sys.stderr)
     except FileNotFoundError as exc:  # the images
-        print(f"async_pipeline: {exc}", file=sys.stderr)
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
     except OSError as exc:  # the metrics endpoint (urllib.error.URLError is an OSError)
-        print(f"async_pipeline: cannot read the metrics at {args.metrics_url}: {exc}", file=sys.stderr)
-    except ValueError as exc:  # client.urls.host_port
-        print(f"async_pipeline: --url: {exc}", file=sys.stderr)
+        print(f"{PREFIX}: cannot read the metrics at {settings.metrics_url}: {exc}", file=sys.stderr)
+    except ValueError as exc:  # client.urls.host_port, or the metrics endpoint's text
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

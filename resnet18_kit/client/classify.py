@@ -1,44 +1,74 @@
-"""python -m resnet18_kit.client.classify: top-5 ImageNet labels for image files, from a Triton server.
+"""Top-k ImageNet labels for image files, from a Triton server that serves this model repository.
 
-Sends one request per image (up to --concurrency in flight) to the `resnet18` ensemble, so the server's
-dynamic batcher forms the batches; a request refused because the queue is full is retried until
---deadline-s. Works with any Triton server that hosts this model repository.
+    resnet18-kit classify [--url HOST:PORT] [--protocol http|grpc] [--model NAME] [--top-k K] [--json]
+                          IMAGE_OR_FOLDER ...
 
-Output: per image, its top-k labels with their probabilities in percent (the ensemble's softmax output)
-and logits (stdout), or with --json one JSON object per line:
-{"file": str, "predictions": [{"label": str, "class_index": int, "probability": float (0..1),
-"logit": float}, ...]}, or
-{"file": str, "error": str, "status": str | null} for an image that failed. A progress bar goes to
-stderr.
+Sends one request per image (up to --concurrency in flight) to the ensemble --model (default `resnet18`),
+so the server's dynamic batcher forms the batches; a request refused because the queue is full is retried
+until --deadline-s. A folder stands for the image files under it: every suffix the server's decoder
+(Pillow) opens, .avif included; other files found there are named once on stderr.
 
-Exit status: 0 all images classified; 1 some image failed (its error is printed); 2 server unreachable
-or not ready (nothing was sent).
+Output (stdout): per image, its top-k labels with probabilities in percent (the ensemble's softmax) and
+logits; or with --json one JSON object per image and line, and nothing else on stdout:
+  {"file": str, "predictions": [{"label": str, "class_index": int (0..999), "probability": float (0..1),
+   "logit": float}, ...], "weights_meaningful": bool | null}
+  {"file": str, "error": str, "status": str | null, "weights_meaningful": bool | null}  (an image that failed)
+weights_meaningful is what the server's model config says (parameter `weights_meaningful` of the model or
+of its ensemble steps): false = a seeded random init, the labels mean nothing; null = the server does not
+say. When it is false a note says so once on stderr (text and --json). Progress bar, notes and errors go to stderr.
+
+Exit status: 0 every image classified; 1 some image failed (each failure is one line); 2 nothing was sent:
+bad options (--top-k outside 1..1000, ...), no image files, or the server unreachable, not a Triton
+server speaking --protocol, or not ready (one line naming the problem).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-from tqdm import tqdm
-
 from resnet18_kit.client.backoff import RetryPolicy
 from resnet18_kit.client.classifier import Prediction, TritonClassifierClient
-from resnet18_kit.contract import DEFAULT_URLS, PROTOCOLS
-from resnet18_kit.client.errors import InferenceError
+from resnet18_kit.client.errors import InferenceError, NotTritonError
 from resnet18_kit.client.samples import expand_paths
-from resnet18_kit.contract import ENSEMBLE_MODEL
+from resnet18_kit.contract import ENSEMBLE_MODEL, NUM_CLASSES
+
+log = logging.getLogger(__name__)
+PREFIX = "resnet18-kit classify"
+#: Skipped files named on the one stderr line before "and N more".
+SKIPPED_SHOWN = 10
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """classify's options; the server address options come from settings.add_server_address_options."""
+    from resnet18_kit.settings import add_server_address_options
+
+    parser.add_argument("paths", nargs="+", type=Path, metavar="IMAGE_OR_FOLDER",
+                        help="image files, or folders of them (searched recursively)")
+    parser.add_argument("--model", default=ENSEMBLE_MODEL,
+                        help=f"the ensemble to call: encoded image in, classes out (default {ENSEMBLE_MODEL})")
+    parser.add_argument("--top-k", type=int, default=5, help=f"labels per image, 1..{NUM_CLASSES} (default 5)")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight, >= 1 (default 4)")
+    parser.add_argument("--deadline-s", type=float, default=60.0,
+                        help="time budget per image in seconds, retries of a full queue included (default 60)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per image and line on stdout")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_server_address_options(parser)
+
 
 def classify_files(files: list[Path], url: str, protocol: str, top_k: int = 5, concurrency: int = 4,
                    model: str = ENSEMBLE_MODEL, deadline_s: float = 60.0, progress: bool = False,
                    ) -> Iterator[tuple[Path, list[Prediction] | Exception]]:
     """Classify each file in its own request, `concurrency` at a time (one client per thread).
-    Yields (path, predictions) in input order; a failed file gets its exception (an InferenceError, or
-    OSError when it cannot be read) instead of predictions. progress: a tqdm bar on stderr."""
+    Yields (path, top_k predictions) in input order; a failed file gets its exception (an InferenceError,
+    or OSError when it cannot be read) instead. progress: a tqdm bar on stderr."""
+    from tqdm import tqdm
+
     local = threading.local()
     clients: list[TritonClassifierClient] = []
     retry = RetryPolicy(deadline_s=deadline_s)
@@ -61,13 +91,22 @@ def classify_files(files: list[Path], url: str, protocol: str, top_k: int = 5, c
             client.close()
 
 
-def json_line(path: Path, result: list[Prediction] | Exception) -> str:
+def json_line(path: Path, result: list[Prediction] | Exception, weights_meaningful: bool | None = None) -> str:
     """One --json output line (see the module doc)."""
     if isinstance(result, Exception):
-        return json.dumps({"file": str(path), "error": str(result), "status": getattr(result, "status", None)})
-    return json.dumps({"file": str(path), "predictions": [
-        {"label": p.label, "class_index": p.class_index, "probability": p.probability, "logit": p.logit}
-        for p in result]})
+        record = {"file": str(path), "error": error_text(result), "status": getattr(result, "status", None)}
+    else:
+        record = {"file": str(path), "predictions": [
+            {"label": p.label, "class_index": p.class_index, "probability": p.probability, "logit": p.logit}
+            for p in result]}
+    return json.dumps({**record, "weights_meaningful": weights_meaningful})
+
+
+def error_text(error: Exception) -> str:
+    """An image's failure on one line (OSError: its strerror and file; others: their message)."""
+    if isinstance(error, OSError) and not isinstance(error, InferenceError):
+        return f"cannot read: {error.strerror or error}"
+    return " ".join(str(error).split())
 
 
 def format_predictions(path: Path, predictions: list[Prediction], mark: str = "") -> str:
@@ -79,59 +118,81 @@ def format_predictions(path: Path, predictions: list[Prediction], mark: str = ""
     return "\n".join(lines)
 
 
-def check_server(url: str, protocol: str, model: str) -> str | None:
-    """Return None when server and model are ready, else a message saying what is wrong."""
+def check_server(url: str, protocol: str, model: str) -> tuple[str | None, bool | None]:
+    """(None, weights_meaningful) when `url` is a ready Triton server speaking `protocol` with `model`
+    ready; else (a one-line message saying what is wrong, None). weights_meaningful: True, False or None
+    (unknown), from the served config (TritonClassifierClient.weights_meaningful)."""
+    where = f"{url} ({protocol})"
     try:
         with TritonClassifierClient(url, protocol, connection_timeout_s=5.0) as client:
+            client.server_metadata()
             if not client.is_server_ready():
-                return f"Triton server at {url} ({protocol}) is not ready"
+                return f"the Triton server at {where} is not ready", None
             if not client.is_model_ready(model):
-                return f"model '{model}' is not ready on the Triton server at {url} ({protocol})"
+                return f"model '{model}' is not ready on the Triton server at {where}", None
+            try:
+                return None, client.weights_meaningful(model)
+            except InferenceError:
+                return None, None
+    except NotTritonError as exc:
+        return exc.message, None
     except InferenceError as exc:
-        return f"cannot reach a Triton server at {url} ({protocol}): {exc.message}"
+        detail = " ".join(exc.message.split()).removeprefix(f"cannot connect to {url}: ")
+        return f"cannot reach a Triton server at {where}: {detail}", None
     except ValueError as exc:  # client.urls.host_port: not a host:port
-        return f"--url: {exc}"
+        return f"--url: {exc}", None
+
+
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """The first option out of range, as a one-line message, else None."""
+    if not 1 <= args.top_k <= NUM_CLASSES:
+        return f"--top-k {args.top_k}: give 1..{NUM_CLASSES}"
+    if args.concurrency < 1:
+        return f"--concurrency {args.concurrency}: give 1 or more"
+    if not args.deadline_s > 0:
+        return f"--deadline-s {args.deadline_s:g}: give more than 0"
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.client.classify", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", type=Path, help="image files or folders of images")
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="http")
-    parser.add_argument("--url", help="host:port of the server (default 127.0.0.1:8000 for http, "
-                                      "127.0.0.1:8001 for grpc)")
-    parser.add_argument("--model", default=ENSEMBLE_MODEL, help="ensemble to call (default resnet18)")
-    parser.add_argument("--top-k", type=int, default=5, help="labels per image (default 5)")
-    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
-    parser.add_argument("--deadline-s", type=float, default=60.0,
-                        help="time budget per image in seconds, retries of a full queue included (default 60)")
-    parser.add_argument("--json", action="store_true", help="one JSON object per image and line")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    args = parser.parse_args(argv)
-    url = args.url or DEFAULT_URLS[args.protocol]
+def say(message: str) -> None:
+    """One line on stderr, above any progress bar."""
+    from tqdm import tqdm
 
-    problem = check_server(url, args.protocol, args.model)
+    tqdm.write(f"{PREFIX}: {message}", file=sys.stderr)
+
+
+def run(settings, args: argparse.Namespace) -> int:
+    """Classify the images (module doc); the exit status."""
+    problem = usage_problem(args)
     if problem:
-        print(f"classify: {problem}", file=sys.stderr)
+        say(problem)
         return 2
-    files = expand_paths(args.paths)
+    skipped: list[Path] = []
+    files = expand_paths(args.paths, skipped)
+    if skipped:
+        names = ", ".join(str(path) for path in skipped[:SKIPPED_SHOWN])
+        more = f" and {len(skipped) - SKIPPED_SHOWN} more" if len(skipped) > SKIPPED_SHOWN else ""
+        say(f"skipped {len(skipped)} file(s) that are not images the server decodes: {names}{more}")
     if not files:
-        print("classify: no image files found", file=sys.stderr)
-        return 1
+        say(f"no image files in {' '.join(map(str, args.paths))}")
+        return 2
+    problem, weights_meaningful = check_server(settings.url, settings.protocol, args.model)
+    if problem:
+        say(problem)
+        return 2
+    if weights_meaningful is False:
+        say(f"NOTE the server's '{args.model}' has RANDOM weights, not trained ones: its labels are meaningless")
     failed = 0
-    results = classify_files(files, url, args.protocol, args.top_k, args.concurrency, args.model,
+    results = classify_files(files, settings.url, settings.protocol, args.top_k, args.concurrency, args.model,
                              args.deadline_s, progress=not args.no_progress and sys.stderr.isatty())
     for path, result in results:
         failed += isinstance(result, Exception)
+        log.debug("%s: %s", path, "failed" if isinstance(result, Exception) else "classified")
         if args.json:
-            print(json_line(path, result), flush=True)
-        elif isinstance(result, Exception):
-            tqdm.write(f"{path}: ERROR {result}", file=sys.stderr)
-        else:
-            tqdm.write(format_predictions(path, result), file=sys.stdout)
+            print(json_line(path, result, weights_meaningful), flush=True)
+        if isinstance(result, Exception):
+            say(f"{path}: {error_text(result)}")
+        elif not args.json:
+            print(format_predictions(path, result), flush=True)
+    log.info("%d image(s) classified, %d failed", len(files) - failed, failed)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,9 @@
 """Images to send: real sample photographs that ship inside the scikit-image wheel (usable offline), and
-the image files of folders a user names."""
+the image files of folders a user names (every suffix the server's decoder, Pillow in the preprocess
+model, opens: `image_suffixes`)."""
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
@@ -11,6 +13,13 @@ SAMPLE_PHOTO_NAMES = ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg"
 #: agreement with FP32 is measured on (resnet18_kit/export/quantize.py).
 HELD_OUT_PHOTO_NAMES = ("motorcycle_right.png", "hubble_deep_field.jpg", "retina.jpg", "camera.png",
                         "coins.png", "brick.png", "grass.png", "gravel.png", "moon.png", "ihc.png")
+#: Used when Pillow cannot be imported here: what Pillow 11+ with its bundled codecs opens.
+FALLBACK_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".apng", ".bmp", ".dib", ".gif", ".tif",
+                               ".tiff", ".webp", ".avif", ".avifs", ".ppm", ".pgm", ".pbm", ".pnm", ".tga", ".ico",
+                               ".jp2", ".j2k", ".jpx", ".jpf", ".j2c", ".jpc", ".qoi", ".psd", ".pcx", ".sgi"})
+#: Formats Pillow registers but cannot decode without outside programs (EPS: Ghostscript) or at all (MPEG:
+#: header only); its stub formats (BUFR, GRIB, HDF5, WMF) are left out as well.
+UNDECODABLE_FORMATS = frozenset({"EPS", "MPEG"})
 
 
 def sample_photos(names: tuple[str, ...] = SAMPLE_PHOTO_NAMES) -> list[Path]:
@@ -26,16 +35,44 @@ def sample_photos(names: tuple[str, ...] = SAMPLE_PHOTO_NAMES) -> list[Path]:
     return [data / name for name in names]
 
 
-#: Image files taken from a folder (Pillow decodes all of them).
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
+@lru_cache(maxsize=1)
+def image_suffixes() -> frozenset[str]:
+    """File suffixes (lower case, with the dot) of the image formats Pillow decodes: its registered
+    extensions whose format it can open, stubs and UNDECODABLE_FORMATS excepted (the same Pillow as the
+    preprocess model's, by the shared constraints); FALLBACK_SUFFIXES without Pillow."""
+    try:
+        from PIL import Image, ImageFile
+    except ImportError:
+        return FALLBACK_SUFFIXES
+    Image.init()
+
+    def decodable(format_name: str) -> bool:
+        factory = Image.OPEN.get(format_name, (None,))[0]
+        stub = isinstance(factory, type) and issubclass(factory, ImageFile.StubImageFile)
+        return factory is not None and not stub and format_name not in UNDECODABLE_FORMATS
+
+    return frozenset(suffix for suffix, name in Image.registered_extensions().items() if decodable(name))
 
 
-def expand_paths(paths: Iterable[Path]) -> list[Path]:
-    """Files as given; folders replaced by the image files under them (recursively, sorted)."""
+def __getattr__(name: str):
+    if name == "IMAGE_SUFFIXES":  # computed on first use (it imports Pillow and its plugins)
+        return image_suffixes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def expand_paths(paths: Iterable[Path], skipped: list[Path] | None = None) -> list[Path]:
+    """Files as given; folders replaced by the image files under them (recursively, sorted; an image file
+    is one with a suffix of `image_suffixes()`). Files of a folder passed over are appended to `skipped`
+    when a list is given."""
     files: list[Path] = []
+    suffixes = image_suffixes()
     for path in paths:
         if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()))
+            for found in sorted(p for p in path.rglob("*") if p.is_file()):
+                if found.suffix.lower() in suffixes:
+                    files.append(found)
+                elif skipped is not None:
+                    skipped.append(found)
         else:
             files.append(path)
     return files

@@ -9,8 +9,8 @@ Recipe (ONNX Runtime's `onnxruntime.quantization`, the documented CPU path):
 
 Calibration images: the sample photos (resnet18_kit/client/samples.py) or every image of a `--calibration-dir`, each
 also mirrored left-right (twice the inputs, the same statistics a horizontally symmetric world has),
-through the served transform (model_repository/preprocess/1/image_transform.py), so the ranges are the
-ones the served pipeline produces.
+through the served transform of the repository exported into (preprocess/1/image_transform.py, loaded by
+ModelRepository.image_transform), so the ranges are the ones the served pipeline produces.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from resnet18_kit.client.samples import IMAGE_SUFFIXES, expand_paths
-from resnet18_kit.contract import image_transform, runtimes
+from resnet18_kit.contract import LOGITS_OUTPUT, TENSOR_INPUT
+from resnet18_kit.repository import ModelRepository
+
 
 def image_files(directory: Path) -> list[Path]:
     """Every image file under `directory` (recursively), sorted. Raises FileNotFoundError when there is
@@ -36,10 +38,10 @@ def image_files(directory: Path) -> list[Path]:
     return files
 
 
-def calibration_batch(paths: list[Path]) -> np.ndarray:
-    """FP32 [2 x len(paths), 3, 224, 224]: each image through the served transform, then mirrored.
-    Raises image_transform.ImageDecodeError naming the file that does not decode."""
-    transform = image_transform()
+def calibration_batch(repository: ModelRepository, paths: list[Path]) -> np.ndarray:
+    """FP32 [2 x len(paths), 3, 224, 224]: each image through `repository`'s served transform, then
+    mirrored. Raises repository.image_transform().ImageDecodeError naming the file that does not decode."""
+    transform = repository.image_transform()
     rows = []
     for path in paths:
         try:
@@ -93,7 +95,7 @@ def quantize_int8(fp32_path: Path, int8_path: Path, batch: np.ndarray) -> dict:
 
         def get_next(self):
             row = next(self.rows, None)
-            return None if row is None else {"input": row}
+            return None if row is None else {TENSOR_INPUT: row}
 
     import onnx
 
@@ -117,7 +119,7 @@ def onnx_logits(path: Path, batch: np.ndarray) -> np.ndarray:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run([runtimes().OUTPUT_NAMES[0]], {"input": batch})[0]  # the logits
+    return session.run([LOGITS_OUTPUT], {TENSOR_INPUT: batch})[0]
 
 
 def calibration_record(paths: list[Path], source: str) -> dict:

@@ -20,17 +20,18 @@ import torchvision
 
 from resnet18_kit import contract
 
-log = logging.getLogger("export")
+log = logging.getLogger(__name__)
 
-INPUT_NAME = "input"    # FP32 [N, 3, 224, 224], normalized as in model_repository/preprocess
+INPUT_NAME = contract.TENSOR_INPUT    # FP32 [N, 3, 224, 224], normalized as in model_repository/preprocess
 #: The exported files' outputs, in this order, as the served runtimes name them: "logits" FP32 [N, 1000]
 #: (unnormalized class scores) and "probabilities" FP32 [N, 1000] (their softmax over the 1000 classes:
 #: each row >= 0, summing to 1). Triton's pytorch backend maps a TorchScript module's tuple of outputs to
-#: the config's outputs by position.
-OUTPUT_NAMES = contract.runtimes().OUTPUT_NAMES
+#: the config's outputs by position. The served runtimes.py of a repository names the same
+#: (ModelRepository.outdated_reason compares them with what provenance.json records).
+OUTPUT_NAMES = (contract.LOGITS_OUTPUT, contract.PROBABILITIES_OUTPUT)
 OUTPUT_NAME, PROBABILITIES_NAME = OUTPUT_NAMES
 IMAGE_SHAPE = contract.IMAGE_SHAPE
-NUM_CLASSES = 1000
+NUM_CLASSES = contract.NUM_CLASSES
 #: 17 is the oldest opset the project supports (all ResNet-18 ops are stable since opset 13).
 ONNX_OPSET = 17
 #: Parity bound between an export and eager torch, per logit: |export - eager| <= ATOL + RTOL * |eager|
@@ -103,7 +104,7 @@ def warn_random_weights(seed: int, reason: str = "") -> None:
           f"WARNING: torchvision's IMAGENET1K_V1 weights could not be loaded (no cache, no download).\n"
           + (f"         Reason: {reason}\n" if reason else "") +
           f"         Exporting a RANDOMLY INITIALIZED ResNet-18 (seed {seed}): every prediction of this\n"
-          f"         server is MEANINGLESS. For real predictions put resnet18-f37072fd.pth in\n"
+          f"         server is MEANINGLESS. For real predictions put {Path(IMAGENET_WEIGHTS.url).name} in\n"
           f"         {Path(torch.hub.get_dir()) / 'checkpoints'} or pass --weights FILE.\n"
           f"{bar}\n", file=sys.stderr, flush=True)
 

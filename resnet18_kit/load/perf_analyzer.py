@@ -1,9 +1,28 @@
-"""Run Triton's `perf_analyzer` and parse what it writes: the one place that builds its command line.
+"""Triton's perf_analyzer 2.51, bundled: `resnet18-kit perf-analyzer <its arguments>`.
+
+Everything after `perf-analyzer` goes to the binary untouched, and its exit status is the command's:
+
+    resnet18-kit perf-analyzer -m resnet18_onnx -u 127.0.0.1:8001 -i grpc --concurrency-range 1:4
+    resnet18-kit perf-analyzer --help                    # perf_analyzer's own options
 
 The binary is the one shipped in the `tritonclient[all]==2.51.0` wheel (it lands in the venv's bin/); it
 needs libb64 (Debian `libb64-0d`, installed by scripts/setup.sh) and libcudart.so.12 (PyPI
-`nvidia-cuda-runtime-cu12`), found through `server.embedded.library_path()`.
+`nvidia-cuda-runtime-cu12`). Run by hand, `.venv/bin/perf_analyzer` exits 127 ("libcudart.so.12: cannot
+open shared object file"): this command sets LD_LIBRARY_PATH to the wheels' libraries first
+(server.embedded.library_path()). A missing binary is one line and exit 2.
 
+Real photos for the `resnet18` ensemble (its input `image` is BYTES, one encoded file per request;
+perf_analyzer's random data would not decode). Write the --input-data file, then use it:
+
+    resnet18-kit perf-analyzer --photos-input-data photos.json          # the 5 sample photos
+    resnet18-kit perf-analyzer --photos-input-data photos-12mp.json 12mp  # the same as 12-megapixel JPEGs
+    resnet18-kit perf-analyzer -m resnet18 -u 127.0.0.1:8000 --input-data photos.json --concurrency-range 2
+
+(`--photos-input-data FILE [sample|12mp]` as the first argument writes FILE and runs nothing: one entry
+per photo, each the file's bytes as a serialized BYTES tensor, resnet18_kit/load/photos.py.) Run with no
+arguments, this text is printed.
+
+As a library, the one place that builds perf_analyzer command lines for the benchmarks and the planner.
 Each run writes, into its own folder:
   * `perf.csv`: `-f` with `--verbose-csv` (and `--collect-metrics`): one row per load level, latencies in
     microseconds, the client/server breakdown perf_analyzer measured;
@@ -19,6 +38,7 @@ import os
 import shutil
 import subprocess
 import sys
+from argparse import ArgumentParser, Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,8 +54,62 @@ def perf_analyzer_binary() -> Path:
     candidate = Path(sys.executable).parent / "perf_analyzer"
     found = candidate if candidate.is_file() else shutil.which("perf_analyzer")
     if not found:
-        raise FileNotFoundError("perf_analyzer not found: it comes with tritonclient[all]==2.51.0 (make setup)")
+        raise FileNotFoundError(f"perf_analyzer not found in {candidate.parent} nor on PATH: it comes with "
+                                "tritonclient[all]==2.51.0 (make setup)")
     return Path(found)
+
+
+def perf_analyzer_env() -> dict[str, str]:
+    """The environment perf_analyzer runs in: this one, with LD_LIBRARY_PATH naming the wheels' libraries."""
+    return dict(os.environ, LD_LIBRARY_PATH=library_path())
+
+
+#: `resnet18-kit perf-analyzer --photos-input-data FILE [SET]`: write FILE, run nothing (module doc).
+PHOTOS_INPUT_DATA = "--photos-input-data"
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    """No options of its own: the command line hands everything after `perf-analyzer` to `run` as
+    args.arguments (module doc)."""
+
+
+def run(settings, args: Namespace) -> int:
+    """`resnet18-kit perf-analyzer ARGS`: perf_analyzer's exit status (128 + N when killed by signal N);
+    `--photos-input-data FILE [SET]` writes FILE instead; 2 with no arguments or no binary."""
+    arguments = list(getattr(args, "arguments", None) or [])
+    if not arguments:
+        print(__doc__.split("\n\nAs a library")[0], file=sys.stderr)
+        return 2
+    if arguments[0] == PHOTOS_INPUT_DATA:
+        return write_photos_input_data(settings.results, arguments[1:])
+    try:
+        binary = perf_analyzer_binary()
+    except FileNotFoundError as exc:
+        print(f"resnet18-kit perf-analyzer: {exc}", file=sys.stderr)
+        return 2
+    status = subprocess.run([str(binary), *arguments], env=perf_analyzer_env()).returncode
+    return 128 - status if status < 0 else status
+
+
+def write_photos_input_data(results: Path, words: list[str]) -> int:
+    """`--photos-input-data FILE [SET]`: write perf_analyzer --input-data for the ensemble's `image` input
+    from photo set SET (load.photos.PHOTO_SETS; default sample; 12mp is cached under `results`)."""
+    from resnet18_kit.load.photos import PHOTO_SETS, photo_set, write_input_data
+
+    set_name = words[1] if len(words) == 2 else "sample"
+    if not 1 <= len(words) <= 2 or words[0].startswith("-") or set_name not in PHOTO_SETS:
+        print(f"resnet18-kit perf-analyzer: usage: {PHOTOS_INPUT_DATA} FILE [{'|'.join(PHOTO_SETS)}]",
+              file=sys.stderr)
+        return 2
+    try:
+        paths = photo_set(set_name, results)
+        target = write_input_data(paths, Path(words[0]))
+    except (OSError, ValueError) as exc:
+        print(f"resnet18-kit perf-analyzer: {PHOTOS_INPUT_DATA}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{target}: {len(paths)} photos as BYTES input `image` ({target.stat().st_size:,} bytes); use it with "
+          f"resnet18-kit perf-analyzer -m resnet18 --input-data {target} ...", file=sys.stderr)
+    return 0
 
 
 @dataclass(frozen=True)
@@ -262,7 +336,7 @@ def run_perf_analyzer(cmd: list[str], out_dir: Path, timeout_s: float, hang_s: f
     """Run one perf_analyzer command line that writes into out_dir (log: out_dir/perf_analyzer.log,
     export: out_dir/profile.json): once more when a fixed-count run hangs past hang_s (HANG_S), and
     again, up to export_attempts runs in all, when it exits 0 with an empty profile export."""
-    env = env or dict(os.environ, LD_LIBRARY_PATH=library_path())
+    env = env or perf_analyzer_env()
     for attempt in range(1, export_attempts + 1):
         (out_dir / "profile.json").unlink(missing_ok=True)  # perf_analyzer refuses an existing path
         result = _run_once_more_if_hung(cmd, out_dir / "perf_analyzer.log", env, timeout_s, hang_s)
@@ -292,7 +366,7 @@ def run_level(model: str, url: str, protocol: str, load: LoadSpec, level: float,
     PerfAnalyzerError when perf_analyzer fails (after the fallback to a request count, see above).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, LD_LIBRARY_PATH=library_path())
+    env = perf_analyzer_env()
     log_path = out_dir / "perf_analyzer.log"
     for count in ((load.request_count,) if load.request_count else (0, load.fallback_request_count)):
         cmd = command(model, url, protocol, load, level, out_dir, metrics_url, count)

@@ -7,13 +7,20 @@ Triton 2.51 (core r24.10) fills in when it normalizes a config: instance counts,
 preferred batch sizes, the queue delay and the queue policy.
 
 A variant is a tritonserver `--model-config-name`: every model with configs/<variant>.pbtxt loads it, the
-others their config.pbtxt; "default" = config.pbtxt everywhere.
+others their config.pbtxt; "default" = config.pbtxt everywhere (repository.ModelRepository.config_path).
+
+`ModelConfigView` is the typed view every user of a config holds (the server's overload watch, the client's
+timeout override and shared-memory sizes, bench, evaluate, the planner's BatcherConfig): built from a file
+(`from_file`, `for_variant`) or from what the server reports it loaded (`from_served`), its fields read
+through the functions below.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from resnet18_kit.contract import DEFAULT_VARIANT, MODEL_REPOSITORY, config_path, variant_names
+from resnet18_kit.contract import DEFAULT_VARIANT
+from resnet18_kit.repository import ModelRepository
 
 #: Triton's default instance count per group on the CPU for the backends that opt into it
 #: (SetDefaultInstanceCount in core src/model_config_utils.cc, r24.10); every other case gets 1.
@@ -30,19 +37,9 @@ def read_config(path: Path):
     return text_format.Parse(Path(path).read_text(), model_config_pb2.ModelConfig())
 
 
-def variant_config(model: str, variant: str):
-    """`model`'s config under `variant` (the file tritonserver loads: contract.config_path), parsed."""
-    return read_config(config_path(model, variant))
-
-
-def own_config_path(model: str, variant: str = DEFAULT_VARIANT, repository: Path | None = None) -> Path:
-    """`model`'s own file for `variant`: config.pbtxt for "default", else configs/<variant>.pbtxt.
-    Raises FileNotFoundError (naming configs/<variant>.pbtxt) when the model has no such file, where
-    contract.config_path falls back to config.pbtxt as tritonserver does for a server-wide variant."""
-    if variant not in variant_names(model, repository):
-        root = MODEL_REPOSITORY if repository is None else repository
-        raise FileNotFoundError(f"no config {variant!r} of {model}: {root / model / 'configs' / f'{variant}.pbtxt'}")
-    return config_path(model, variant, repository)
+def variant_config(repository: ModelRepository, model: str, variant: str = DEFAULT_VARIANT):
+    """`model`'s config under `variant` (the file tritonserver loads: ModelRepository.config_path), parsed."""
+    return read_config(repository.config_path(model, variant))
 
 
 def config_parameters(config) -> dict[str, str]:
@@ -226,3 +223,75 @@ def served_config(client, model: str) -> dict:
             "preferred_batch_size": list(preferred_batch_sizes(config)),
             "max_queue_delay_us": max_queue_delay_us(config), "max_queue_size": max_queue_size(config),
             "instances": instance_count(config)}
+
+
+@dataclass(frozen=True)
+class ModelConfigView:
+    """One model's config as this kit reads it, with Triton 2.51's defaults filled in (the functions above).
+
+    name; backend ("python", "onnxruntime", "" for an ensemble); max_batch_size (0 = no batch dimension);
+    dynamic_batching; preferred_batch_sizes (Triton's: (max_batch_size,) when none is written);
+    max_queue_delay_us (microseconds); max_queue_size (0 = unbounded); queue_timeout_us (0 = none);
+    timeout_override_allowed; parameters (key -> string value); proto: the parsed ModelConfig for anything
+    else. instance_count(gpus) and concurrent_executions() are methods: they can raise ValueError (a
+    KIND_GPU group without GPUs)."""
+
+    name: str
+    backend: str
+    max_batch_size: int
+    dynamic_batching: bool
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_delay_us: int
+    max_queue_size: int
+    queue_timeout_us: int
+    timeout_override_allowed: bool
+    parameters: dict = field(compare=False)
+    proto: object = field(repr=False, compare=False)
+
+    @classmethod
+    def of(cls, config) -> "ModelConfigView":
+        """The view of a parsed ModelConfig."""
+        return cls(name=config.name, backend=_backend(config) if config.platform != "ensemble" else "",
+                   max_batch_size=max_batch_size(config), dynamic_batching=dynamic_batching(config),
+                   preferred_batch_sizes=preferred_batch_sizes(config), max_queue_delay_us=max_queue_delay_us(config),
+                   max_queue_size=max_queue_size(config), queue_timeout_us=queue_timeout_us(config),
+                   timeout_override_allowed=bool(timeout_override_allowed(config)),
+                   parameters=config_parameters(config), proto=config)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfigView":
+        """The view of a config.pbtxt (read_config: FileNotFoundError, text_format.ParseError)."""
+        view = cls.of(read_config(path))
+        return view if view.name else cls.of(_named(view.proto, Path(path)))
+
+    @classmethod
+    def for_variant(cls, repository: ModelRepository, model: str, variant: str = DEFAULT_VARIANT
+                    ) -> "ModelConfigView":
+        """The view of the file tritonserver loads for `model` under `variant`."""
+        return cls.from_file(repository.config_path(model, variant))
+
+    @classmethod
+    def from_served(cls, served: dict) -> "ModelConfigView":
+        """The view of the config the server reports it loaded (HTTP JSON or gRPC as_json)."""
+        return cls.of(parse_served_config(served))
+
+    def instance_count(self, gpus: int = 0) -> int:
+        """Model instances Triton runs (instance_count above)."""
+        return instance_count(self.proto, gpus)
+
+    def concurrent_executions(self) -> int:
+        """Instances that run at once under the rate limiter (concurrent_executions above)."""
+        return concurrent_executions(self.proto)
+
+    @property
+    def overload_threshold(self) -> int:
+        """Pending requests at which a bounded queue is about to refuse: at most one more batch fits
+        (max_queue_size - max_batch_size, at least 1; server.overload); 0 for an unbounded queue."""
+        return max(1, self.max_queue_size - self.max_batch_size) if self.max_queue_size > 0 else 0
+
+
+def _named(config, path: Path):
+    """`config` with its name set from its model folder (Triton names a config without one after it)."""
+    model_dir = path.parent.parent if path.parent.name == "configs" else path.parent
+    config.name = model_dir.name
+    return config

@@ -9,9 +9,9 @@
 * `simulator`: the discrete-event simulation of one replica: queue policy, batcher, N instances;
 * `search`:    the planner: cheapest config (fewest devices) meeting a latency percentile budget;
 * `pbtxt`:     write the chosen config with tritonclient's model_config_pb2 (configs are read through
-               observe.model_config; `batcher.batcher_from_config` turns one into a BatcherConfig);
+               observe.model_config; `batcher.batcher_from_config` turns a ModelConfigView into a BatcherConfig);
 * `measure`, `validate`: the profile and the validation runs against the embedded tritonserver;
 * `validate_analysis`: the validation's trace analysis, predictions and tables (no server).
 
-`python -m resnet18_kit.planner --help` lists the commands; docs/capacity.md has the figures and what is modelled.
+`resnet18-kit plan --help` lists the commands; docs/capacity.md has the figures and what is modelled.
 """

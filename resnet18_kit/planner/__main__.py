@@ -1,4 +1,4 @@
-"""python -m resnet18_kit.planner: plan, simulate, measure a profile, validate against the server, scale on paper.
+"""resnet18-kit plan: plan, simulate, measure a profile, validate against the server, scale on paper.
 
   plan            cheapest config meeting a latency SLO at a target load; writes it as a .pbtxt
   worked-example  the textbook case: 20,000 QPS, 100 per batch in 100 ms, 500 ms budget
@@ -7,6 +7,8 @@
   validate        profile + perf_analyzer Poisson runs vs the simulation (needs the server)
   scale           replicas for 1k..1M infer/s from profiles, and the limit that binds first
 
+`resnet18-kit plan <subcommand> --help` tells each one's options; the model repository and the results
+folder are the global --model-repository and --results (results go to <results>/planner/ by default).
 docs/capacity.md has the figures these commands printed on the reference machine.
 """
 from __future__ import annotations
@@ -19,15 +21,17 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from resnet18_kit.progress import Progress, add_logging_arguments, setup_logging
-from resnet18_kit.contract import DEFAULT_VARIANT, MODEL_REPOSITORY, ONNX_MODEL, config_path, results_dir
+from resnet18_kit.contract import DEFAULT_VARIANT, ONNX_MODEL
+from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.planner.arrivals import BALANCERS, Bursty, Poisson, Trace
 from resnet18_kit.planner.profile import Profile, constant_profile
 from resnet18_kit.planner.search import Plan, SearchSpace, Slo, format_plan, plan, speed_for
 from resnet18_kit.planner.simulator import LostWakeup, simulate
+from resnet18_kit.progress import Progress
+from resnet18_kit.repository import ModelRepository
+from resnet18_kit.settings import Settings
 
-DEFAULT_OUT = results_dir() / "planner"
-log = logging.getLogger("planner")
+log = logging.getLogger(__name__)
 
 
 def _arrival(args, rate_rps: float):
@@ -36,7 +40,7 @@ def _arrival(args, rate_rps: float):
     if args.arrivals == "bursty":
         return Bursty(rate_rps, args.burst_factor, args.burst_fraction, args.burst_s)
     if not args.trace:
-        raise SystemExit("--arrivals trace needs --trace FILE")
+        raise ValueError("--arrivals trace needs --trace FILE")
     return Trace.load(args.trace).scaled_to(rate_rps)
 
 
@@ -70,12 +74,11 @@ def plan_to_json(p: Plan) -> dict:
 def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path, name: str, command: str) -> Path:
     """Write the plan's best config (base config + its batcher and instances) to `path`, with a header
     saying how it was planned and what it is predicted to do; returns the path."""
-    from resnet18_kit.observe.model_config import read_config
     from resnet18_kit.planner.pbtxt import planned_config, write_config
 
     best = p.best
     params = (profile.extra.get("instance_parameters", {}) or {}).get(str(best.instances), {})
-    config = planned_config(read_config(base_path), best.batcher, best.instances, params)
+    config = planned_config(ModelConfigView.from_file(base_path).proto, best.batcher, best.instances, params)
     d = best.predicted(p.slo)
     header = (f"{config.name}, variant \"{name}\" (--model-config-name={name}), written by the capacity planner:\n"
               f"  {command}\n"
@@ -90,7 +93,7 @@ def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path,
     return write_config(config, path, header)
 
 
-def cmd_plan(args) -> int:
+def cmd_plan(settings: Settings, args) -> int:
     """`plan`: print the plan, write its config; exit 1 when no config meets the SLO."""
     if args.worked_example:
         profile = constant_profile(100.0, 100, model="worked_example")
@@ -99,10 +102,10 @@ def cmd_plan(args) -> int:
     elif args.profile:
         profile = Profile.load(args.profile)
     else:
-        raise SystemExit("give --profile FILE or --worked-example")
+        raise ValueError("give --profile FILE or --worked-example")
     if not args.qps or not args.budget_ms:
-        raise SystemExit("give --qps and --budget-ms")
-    slo = Slo(args.percentile, args.budget_ms)
+        raise ValueError("give --qps and --budget-ms")
+    arrival, slo = _arrival(args, args.qps), Slo(args.percentile, args.budget_ms)
     space = SearchSpace(instances=tuple(args.instances) if args.instances else None,
                         max_batch_sizes=tuple(args.max_batch_sizes) if args.max_batch_sizes else None,
                         balancer=args.balancer, requests=args.requests, max_utilization=args.max_utilization,
@@ -110,37 +113,36 @@ def cmd_plan(args) -> int:
     if args.unbounded_queue:
         space = replace(space, base_queue=None)
     elif args.model_config:
-        from resnet18_kit.observe.model_config import read_config
         from resnet18_kit.planner.batcher import batcher_from_config
 
-        base_queue = batcher_from_config(read_config(args.model_config)).queue
+        base_queue = batcher_from_config(ModelConfigView.from_file(args.model_config)).queue
         space = replace(space, base_queue=replace(base_queue, max_queue_size=0))
     if space.base_queue is not None and not space.lost_wakeup:
         print("note: the written config bounds the queue; Triton 2.51 then loses batcher wake-ups (up to "
               "500 ms, docs/capacity.md): plan with --lost-wakeup P or write --unbounded-queue", file=sys.stderr)
-    result = plan(args.qps, slo, profile, space, _arrival(args, args.qps))
+    result = plan(args.qps, slo, profile, space, arrival)
     print(format_plan(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(plan_to_json(result), indent=2) + "\n")
-    base = args.model_config or config_path(profile.model)
+    base = args.model_config or settings.repository.config_path(profile.model)
     if result.best is None:
         print("no config meets the SLO within the search space", file=sys.stderr)
         return 1
     if not Path(base).is_file():
-        print(f"(no model config at {base}: no .pbtxt written; pass --model-config)")
+        print(f"(no model config at {base}: no .pbtxt written; pass --model-config)", file=sys.stderr)
         return 0
     if args.into_model_repository:
-        path = MODEL_REPOSITORY / profile.model / "configs" / f"{args.name}.pbtxt"
+        path = settings.model_repository / profile.model / "configs" / f"{args.name}.pbtxt"
     else:
-        path = Path(args.out) / profile.model / "configs" / f"{args.name}.pbtxt"
-    command = "python -m resnet18_kit.planner " + shlex.join(sys.argv[1:])
+        path = Path(args.out or settings.results_dir("planner")) / profile.model / "configs" / f"{args.name}.pbtxt"
+    command = "resnet18-kit " + shlex.join(sys.argv[1:])
     written = write_planned_config(result, profile, Path(base), path, args.name, command)
     print(f"config written: {written}")
     return 0
 
 
-def cmd_worked_example(args) -> int:
+def cmd_worked_example(settings: Settings, args) -> int:
     """`worked-example`: the textbook case under each load balancer."""
     for balancer in BALANCERS:
         print(f"--- {balancer} load balancer ---")
@@ -149,15 +151,14 @@ def cmd_worked_example(args) -> int:
     return 0
 
 
-def cmd_simulate(args) -> int:
+def cmd_simulate(settings: Settings, args) -> int:
     """`simulate`: one config at one rate (req/s); prints the simulated figures (ms, infer/s)."""
-    from resnet18_kit.observe.model_config import instance_count, own_config_path, read_config
     from resnet18_kit.planner.batcher import batcher_from_config
 
     profile = Profile.load(args.profile)
-    path = args.config or own_config_path(profile.model, args.config_name)
-    config = read_config(path)
-    batcher, instances = batcher_from_config(config), instance_count(config)
+    path = args.config or settings.repository.own_config_path(profile.model, args.config_name)
+    config = ModelConfigView.from_file(path)
+    batcher, instances = batcher_from_config(config), config.instance_count()
     if args.max_queue_delay_us is not None:
         batcher = replace(batcher, max_queue_delay_us=args.max_queue_delay_us)
     import numpy as np
@@ -186,8 +187,9 @@ def profile_runs(batch_sizes: list[int], instances: list[int], speed_under_load:
     return len(instances) * (len(batch_sizes) + speed) + 1
 
 
-def measure_with_progress(args, out_dir: Path, **options) -> Profile:
-    """measure_profile for the profile/validate arguments, with a bar over its measurements (runs)."""
+def measure_with_progress(args, out_dir: Path, source_repository: ModelRepository, **options) -> Profile:
+    """measure_profile of `source_repository`'s args.model for the profile/validate arguments, with a bar
+    over its measurements (runs)."""
     from resnet18_kit.planner.measure import measure_profile
 
     total = profile_runs(args.batch_sizes, args.instances, not args.no_speed)
@@ -195,49 +197,49 @@ def measure_with_progress(args, out_dir: Path, **options) -> Profile:
              " ".join(map(str, args.batch_sizes)), " ".join(map(str, args.instances)), total)
     with Progress(total, "run", "profile", log) as progress:
         return measure_profile(args.model, tuple(args.batch_sizes), tuple(args.instances), out_dir,
-                               executions=args.executions, speed_under_load=not args.no_speed,
+                               source_repository, executions=args.executions, speed_under_load=not args.no_speed,
                                progress=progress, **options)
 
 
-def cmd_profile(args) -> int:
+def cmd_profile(settings: Settings, args) -> int:
     """`profile`: measure and write <out>/profile-<model>.json (starts tritonserver; minutes)."""
     from resnet18_kit.planner.measure import server_ceiling_from_bench
 
-    setup_logging("planner profile", args.log_level)
+    source = ModelRepository(args.source_repository) if args.source_repository else settings.repository
+    if not (source.root / args.model / "config.pbtxt").is_file():
+        raise FileNotFoundError(f"--model {args.model}: no {source.root / args.model / 'config.pbtxt'} "
+                                f"(models there: {', '.join(source.model_names()) or 'none'})")
     args.instances = args.instances or [1]
-    ceiling, source = server_ceiling_from_bench()
-    out = Path(args.out)
-    profile = measure_with_progress(args, out / f"profile-{args.model}", server_ceiling_rps=ceiling,
-                                    source_repository=Path(args.source_repository))
-    if source:
-        profile.extra["server_ceiling_source"] = source
+    ceiling, ceiling_source = server_ceiling_from_bench(settings.results)
+    out = Path(args.out or settings.results_dir("planner", "profile"))
+    profile = measure_with_progress(args, out / f"profile-{args.model}", source, server_ceiling_rps=ceiling)
+    if ceiling_source:
+        profile.extra["server_ceiling_source"] = ceiling_source
     path = profile.save(out / f"profile-{args.model}.json")
     print(f"profile written: {path}")
     return 0
 
 
-def configs_instance_counts(model: str, names: list[str]) -> list[int]:
-    """The distinct instance counts (observe.model_config.instance_count: Triton's) of `model`'s configs
-    `names` ("default" or configs/<name>.pbtxt), ascending: the profile validate needs to predict every
-    one. Raises FileNotFoundError for a name the model has no config of."""
-    from resnet18_kit.observe.model_config import instance_count, own_config_path, read_config
+def configs_instance_counts(repository: ModelRepository, model: str, names: list[str]) -> list[int]:
+    """The distinct instance counts (ModelConfigView.instance_count: Triton's) of `model`'s configs `names`
+    ("default" or configs/<name>.pbtxt) in `repository`, ascending: the profile validate needs to predict
+    every one. Raises FileNotFoundError for a name the model has no config of."""
+    return sorted({ModelConfigView.from_file(repository.own_config_path(model, name)).instance_count()
+                   for name in names})
 
-    return sorted({instance_count(read_config(own_config_path(model, name))) for name in names})
 
-
-def cmd_validate(args) -> int:
+def cmd_validate(settings: Settings, args) -> int:
     """`validate`: profile, then every config x level against the simulation; writes validation.json and
     validation.md into --out and prints the tables (starts tritonserver; about 20 minutes by default)."""
-    from resnet18_kit.observe.model_config import own_config_path
     from resnet18_kit.planner.validate_analysis import add_predictions, format_table
 
-    setup_logging("planner validate", args.log_level)
+    repository = settings.repository
     for name in args.configs:  # before minutes of profiling, not after
         try:
-            own_config_path(args.model, name)
+            repository.own_config_path(args.model, name)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"--configs {name}: {exc}") from None
-    out = Path(args.out)
+    out = Path(args.out or settings.results_dir("planner", "validate"))
     out.mkdir(parents=True, exist_ok=True)
     if args.predict_only:
         profile = Profile.load(args.profile or out / f"profile-{args.model}.json")
@@ -252,9 +254,9 @@ def cmd_validate(args) -> int:
     if args.profile:
         profile = Profile.load(args.profile)
     else:
-        args.instances = args.instances or configs_instance_counts(args.model, args.configs)
-        ceiling, source = server_ceiling_from_bench()
-        profile = measure_with_progress(args, out / "profile", server_ceiling_rps=ceiling)
+        args.instances = args.instances or configs_instance_counts(repository, args.model, args.configs)
+        ceiling, source = server_ceiling_from_bench(settings.results)
+        profile = measure_with_progress(args, out / "profile", repository, server_ceiling_rps=ceiling)
         profile.extra["server_ceiling_source"] = source
         log.info("profile written: %s", profile.save(out / f"profile-{args.model}.json"))
     rows = []
@@ -263,8 +265,9 @@ def cmd_validate(args) -> int:
     with Progress(len(args.configs) * levels, "level", "validate", log) as progress:
         for name in args.configs:
             progress.set_description(f"validate {name}")
-            rows += validate_config(args.model, name, profile, tuple(args.fractions), out, args.requests_per_level,
-                                    args.min_level_s, progress=progress, rates=tuple(args.rates or ()))
+            rows += validate_config(repository, args.model, name, profile, tuple(args.fractions), out,
+                                    args.requests_per_level, args.min_level_s, progress=progress,
+                                    rates=tuple(args.rates or ()))
             (out / "validation.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
     log.info("predicting every level (simulation)")
     rows = add_predictions(rows, profile)
@@ -275,7 +278,7 @@ def cmd_validate(args) -> int:
     return 0
 
 
-def cmd_scale(args) -> int:
+def cmd_scale(settings: Settings, args) -> int:
     """`scale`: replicas per target rate (infer/s) for each PROFILE:PERCENTILE:BUDGET_MS."""
     from resnet18_kit.planner.scale import format_rows, scale_rows
 
@@ -287,14 +290,22 @@ def cmd_scale(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The planner's command line (module doc); returns the subcommand's exit status."""
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.planner", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _subcommand(sub, name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
+    """One subcommand's parser: no abbreviations, its description as written, the global options too."""
+    from resnet18_kit.cli import add_global_options
 
-    p = sub.add_parser("plan", help="cheapest config meeting the SLO")
-    p.add_argument("--profile", type=Path, help="profile JSON (python -m resnet18_kit.planner profile)")
+    parser = sub.add_parser(name, help=help_text, description=description or help_text, allow_abbrev=False,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_global_options(parser, suppress=True)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommands of `resnet18-kit plan` and their options (module doc)."""
+    sub = parser.add_subparsers(dest="plan_command", required=True, metavar="<subcommand>")
+
+    p = _subcommand(sub, "plan", "cheapest config meeting the SLO; writes it as <model>/configs/<name>.pbtxt")
+    p.add_argument("--profile", type=Path, help="profile JSON (resnet18-kit plan profile)")
     p.add_argument("--worked-example", action="store_true", help="the 100-in-100-ms device, 20,000 QPS, 500 ms")
     p.add_argument("--qps", type=float, help="target inferences/s (requests of batch 1)")
     p.add_argument("--percentile", type=float, default=99.0)
@@ -306,22 +317,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lost-wakeup", type=float, default=0.0,
                    help="model Triton 2.51's lost wake-up with this probability (default 0: off)")
     p.add_argument("--model-config", type=Path, help="config.pbtxt the planned one derives from "
-                                                     "(default model_repository/<profile model>/config.pbtxt)")
+                                                     "(default <model repository>/<profile model>/config.pbtxt)")
     p.add_argument("--unbounded-queue", action="store_true",
                    help="write no default_queue_policy (Triton prefetches payloads; no lost wake-up)")
     p.add_argument("--name", default="planned", help="variant name: writes configs/<name>.pbtxt")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for <model>/configs/<name>.pbtxt")
+    p.add_argument("--out", type=Path, help="folder for <model>/configs/<name>.pbtxt (default <results>/planner)")
     p.add_argument("--into-model-repository", action="store_true",
-                   help="write model_repository/<model>/configs/<name>.pbtxt instead of --out")
-    p.add_argument("--json", type=Path, help="also write the plan as JSON")
+                   help="write <model repository>/<model>/configs/<name>.pbtxt instead of --out")
+    p.add_argument("--json", type=Path, help="also write the plan as JSON to this file")
     p.add_argument("--static-speed", action="store_true", help=STATIC_SPEED_HELP)
     _add_arrival_options(p)
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(plan_run=cmd_plan)
 
-    p = sub.add_parser("worked-example", help="the textbook case, both load balancers")
-    p.set_defaults(func=cmd_worked_example)
+    p = _subcommand(sub, "worked-example", "the textbook case, both load balancers")
+    p.set_defaults(plan_run=cmd_worked_example)
 
-    p = sub.add_parser("simulate", help="one config at one load")
+    p = _subcommand(sub, "simulate", "one config at one load")
     p.add_argument("--profile", type=Path, required=True)
     p.add_argument("--config", type=Path, help="a .pbtxt (default: the profile model's --config-name)")
     p.add_argument("--config-name", default=DEFAULT_VARIANT)
@@ -333,11 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lost-wakeup", type=float, default=0.0)
     p.add_argument("--static-speed", action="store_true", help=STATIC_SPEED_HELP)
     _add_arrival_options(p)
-    p.set_defaults(func=cmd_simulate)
+    p.set_defaults(plan_run=cmd_simulate)
 
     for command, helptext in (("profile", "measure a profile (starts tritonserver)"),
                               ("validate", "profile + perf_analyzer vs simulation (starts tritonserver)")):
-        p = sub.add_parser(command, help=helptext)
+        p = _subcommand(sub, command, helptext)
         p.add_argument("--model", default=ONNX_MODEL, help=f"model of the repository (default {ONNX_MODEL})")
         p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                        help="batch sizes to profile, images per execution (default 1 2 4 8 16 32)")
@@ -345,15 +356,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="instance counts to profile, one server start each (default: profile 1; "
                             "validate the counts of the --configs' instance groups)")
         p.add_argument("--executions", type=int, default=12, help="back-to-back executions per size (default 12)")
-        p.add_argument("--out", type=Path, default=DEFAULT_OUT / command,
-                       help=f"results folder (default results/planner/{command})")
-        p.add_argument("--no-speed", action="store_true",
-                       help="skip the speed-under-load runs (resnet18_kit/planner/speed.py; about 2 minutes per instance count)")
-        add_logging_arguments(p)
+        p.add_argument("--out", type=Path, help=f"results folder (default <results>/planner/{command})")
+        p.add_argument("--no-speed", action="store_true", help="skip the speed-under-load runs "
+                       "(resnet18_kit/planner/speed.py; about 2 minutes per instance count)")
         if command == "profile":
-            p.add_argument("--source-repository", default=str(MODEL_REPOSITORY),
-                           help="model repository holding --model (e.g. bench/model_repository for identity)")
-            p.set_defaults(func=cmd_profile)
+            p.add_argument("--source-repository", type=Path,
+                           help="model repository holding --model (default: the global --model-repository; "
+                                "e.g. resnet18_kit/bench/model_repository for identity)")
+            p.set_defaults(plan_run=cmd_profile)
         else:
             p.add_argument("--profile", type=Path, help="use this profile instead of measuring one")
             p.add_argument("--configs", nargs="+", default=[DEFAULT_VARIANT, "throughput"],
@@ -368,22 +378,21 @@ def main(argv: list[str] | None = None) -> int:
                            help="seconds per level, at least: the count grows to rate x this (default 10)")
             p.add_argument("--predict-only", action="store_true",
                            help="no server: predict again from <out>/validation.json and the profile")
-            p.set_defaults(func=cmd_validate)
+            p.set_defaults(plan_run=cmd_validate)
 
-    p = sub.add_parser("scale", help="replicas for 1k..1M infer/s")
+    p = _subcommand(sub, "scale", "replicas for 1k..1M infer/s")
     p.add_argument("--profile", nargs="+", required=True, help="PROFILE.json:PERCENTILE:BUDGET_MS, one per model")
     p.add_argument("--targets", type=float, nargs="+", default=[1e3, 2e4, 1e5, 1e6])
-    p.set_defaults(func=cmd_scale)
+    p.set_defaults(plan_run=cmd_scale)
 
-    args = parser.parse_args(argv)
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Run the subcommand; its exit status. A missing or unreadable input named on the command line (profile,
+    config, trace, validation.json) or a bad value is one line on stderr and exit 2."""
     from google.protobuf.text_format import ParseError
+
     try:
-        return args.func(args)
+        return args.plan_run(settings, args)
     except (FileNotFoundError, IsADirectoryError, json.JSONDecodeError, ParseError, ValueError) as exc:
-        # a missing or unreadable input named on the command line (profile, config, trace, validation.json)
-        print(f"planner {args.command}: {exc}", file=sys.stderr)
+        print(f"resnet18-kit plan {args.plan_command}: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from math import inf
 
 from resnet18_kit.observe import model_config
+from resnet18_kit.observe.model_config import ModelConfigView
 
 
 @dataclass(frozen=True)
@@ -103,24 +104,25 @@ class BatcherConfig:
                 f"max_queue_delay {self.max_queue_delay_us / 1000:g} ms{queue}{timeout}")
 
 
-def batcher_from_config(config) -> BatcherConfig:
-    """The BatcherConfig a parsed ModelConfig describes (what the simulator runs), every field read
-    through observe.model_config (Triton's defaults: preferred sizes none = (max_batch_size,)). Without
-    a dynamic_batching block max_batch_size is at least 1. Raises ValueError for what is not modelled: a
-    queue policy with timeout_action DELAY, more than one priority level."""
-    max_batch = model_config.max_batch_size(config)
-    if not model_config.dynamic_batching(config):
-        return BatcherConfig(max_batch_size=max(1, max_batch), dynamic_batching=False)
-    if model_config.delays_timed_out_requests(config):
-        raise ValueError("timeout_action DELAY is not modelled (only REJECT)")
-    if model_config.priority_levels(config) > 1:
-        raise ValueError("priority levels are not modelled")
+def batcher_from_config(view: ModelConfigView) -> BatcherConfig:
+    """The BatcherConfig a model config describes (what the simulator runs), from its
+    observe.model_config.ModelConfigView (Triton's defaults filled in: preferred sizes none =
+    (max_batch_size,)). Without a dynamic_batching block max_batch_size is at least 1. Raises TypeError for
+    anything but a ModelConfigView, ValueError for what is not modelled: a queue policy with
+    timeout_action DELAY, more than one priority level."""
+    if not isinstance(view, ModelConfigView):
+        raise TypeError(f"batcher_from_config takes a ModelConfigView, not {type(view).__name__}")
+    if not view.dynamic_batching:
+        return BatcherConfig(max_batch_size=max(1, view.max_batch_size), dynamic_batching=False)
+    if model_config.delays_timed_out_requests(view.proto):
+        raise ValueError(f"{view.name}: timeout_action DELAY is not modelled (only REJECT)")
+    if model_config.priority_levels(view.proto) > 1:
+        raise ValueError(f"{view.name}: priority levels are not modelled")
     return BatcherConfig(
-        max_batch_size=max_batch, preferred_batch_sizes=model_config.preferred_batch_sizes(config),
-        max_queue_delay_us=model_config.max_queue_delay_us(config),
-        queue=QueuePolicy(max_queue_size=model_config.max_queue_size(config),
-                          default_timeout_us=model_config.queue_timeout_us(config),
-                          allow_timeout_override=model_config.timeout_override_allowed(config)))
+        max_batch_size=view.max_batch_size, preferred_batch_sizes=view.preferred_batch_sizes,
+        max_queue_delay_us=view.max_queue_delay_us,
+        queue=QueuePolicy(max_queue_size=view.max_queue_size, default_timeout_us=view.queue_timeout_us,
+                          allow_timeout_override=view.timeout_override_allowed))
 
 
 class Request:

@@ -23,7 +23,7 @@ How, and why this way rather than from the per-batch-size statistics of a loaded
     busy) of SPEED_CLOSED_SECONDS, the statistics extension polled every SPEED_WINDOW_S; each window's
     mean compute_infer per execution over the closed-loop runs' mean is one factor (`measure_speed`).
 The server ceiling (requests/s through protocol and batcher whatever the model) is not measured here:
-it comes from the trivial-model run of `python -m resnet18_kit.bench` (results/bench-*/summary.json), see
+it comes from the trivial-model run of `resnet18-kit bench run` (<results>/bench-*/summary.json), see
 `server_ceiling_from_bench`.
 """
 from __future__ import annotations
@@ -37,18 +37,20 @@ from pathlib import Path
 import numpy as np
 
 from resnet18_kit.observe.machine import machine_info
-from resnet18_kit.observe.model_config import config_parameters, output_row_bytes, read_config
+from resnet18_kit.observe.model_config import ModelConfigView, output_row_bytes
 from resnet18_kit.load.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, LoadSpec, PerfAnalyzerError, command, load_profile_export,
                                  parse_csv, run_level, run_perf_analyzer)
 from resnet18_kit.progress import log_status
 from resnet18_kit.observe.statistics import ExecutionSampler, model_statistics, statistics_delta
-from resnet18_kit.contract import MODEL_REPOSITORY, TRITON_VERSION, bench_summaries, config_path
+from resnet18_kit.contract import TRITON_VERSION
 from resnet18_kit.planner.batcher import BatcherConfig
 from resnet18_kit.planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
 from resnet18_kit.planner.pbtxt import planned_config, write_config
 from resnet18_kit.planner.profile import BatchTiming, Profile
 from resnet18_kit.planner.speed import SpeedTrace, mean_execution_ms, window_factors
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.settings import bench_summaries
 
 #: Responses per instance left out of the profile at the start of each batch size's run.
 WARMUP_RESPONSES = 2
@@ -69,23 +71,23 @@ def instance_parameters(base_parameters: dict[str, str], instances: int) -> dict
 
 
 def scratch_repository(model: str, out_dir: Path, max_batch: int, instances: int,
-                       source_repository: Path = MODEL_REPOSITORY) -> tuple[Path, dict[str, str]]:
-    """A model repository holding only `model`, without dynamic batching, with `instances` instances
-    and max_batch_size `max_batch`; the version folder is a link to the real one. Returns (repository
-    path, the per-instance parameters used)."""
-    base = read_config(config_path(model, repository=source_repository))
-    params = instance_parameters(config_parameters(base), instances)
-    config = planned_config(base, BatcherConfig(max_batch_size=max_batch, dynamic_batching=False), instances,
+                       source_repository: ModelRepository) -> tuple[Path, dict[str, str]]:
+    """A model repository holding only `model` of `source_repository`, without dynamic batching, with
+    `instances` instances and max_batch_size `max_batch`; the version folder is a link to the real one.
+    Returns (repository path, the per-instance parameters used)."""
+    base = ModelConfigView.for_variant(source_repository, model)
+    params = instance_parameters(base.parameters, instances)
+    config = planned_config(base.proto, BatcherConfig(max_batch_size=max_batch, dynamic_batching=False), instances,
                             params)
     del config.model_warmup[:]  # measured runs warm it up; keeps start-up short
     repository = out_dir / "repository"
     model_dir = repository / model
     model_dir.mkdir(parents=True, exist_ok=True)
-    for version in (source_repository / model).iterdir():
+    for version in (source_repository.root / model).iterdir():
         if version.is_dir() and version.name.isdigit() and not (model_dir / version.name).exists():
             (model_dir / version.name).symlink_to(version.resolve())
-    write_config(config, config_path(model, repository=repository),
-                 header=f"{model}: profile-measurement copy (python -m resnet18_kit.planner profile), no dynamic batcher")
+    write_config(config, ModelRepository(repository).config_path(model),
+                 header=f"{model}: profile-measurement copy (resnet18-kit plan profile), no dynamic batcher")
     return repository, params
 
 
@@ -165,10 +167,9 @@ def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec
 
 
 def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: tuple[int, ...], out_dir: Path,
-                    executions: int = 12, server_ceiling_rps: float = 0.0,
-                    source_repository: Path = MODEL_REPOSITORY, speed_under_load: bool = True,
-                    progress=log_status) -> Profile:
-    """Measure `model`'s profile for each instance count (one server start each) and batch size, and
+                    source_repository: ModelRepository, executions: int = 12, server_ceiling_rps: float = 0.0,
+                    speed_under_load: bool = True, progress=log_status) -> Profile:
+    """Measure `model` of `source_repository`: its profile for each instance count (one server start each) and batch size, and
     (speed_under_load, with batch 1 among the sizes) its speed traces (`measure_speed`).
 
     executions: back-to-back executions measured per instance and batch size (after 2 discarded).
@@ -177,7 +178,7 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
     planner.__main__.profile_runs counts), warning for a measurement repeated because of other load.
     """
     started = datetime.datetime.now(datetime.timezone.utc)
-    row_bytes = output_row_bytes(read_config(config_path(model, repository=source_repository)))
+    row_bytes = output_row_bytes(ModelConfigView.for_variant(source_repository, model).proto)
     timings: dict[int, dict[int, BatchTiming]] = {}
     details: dict = {"runs": {}, "instance_parameters": {}}
     overhead_us = 0.0
@@ -259,9 +260,9 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
     return profile
 
 
-def server_ceiling_from_bench(results: Path | None = None) -> tuple[float, str]:
-    """The trivial-model ceiling (infer/s) of the newest bench summary that has one (contract.bench_summaries
-    of `results`, default the results folder), and the file it came from; (0.0, "") when there is none."""
+def server_ceiling_from_bench(results: Path) -> tuple[float, str]:
+    """The trivial-model ceiling (infer/s) of the newest bench summary that has one (settings.bench_summaries
+    of the results folder `results`), and the file it came from; (0.0, "") when there is none."""
     for path, summary in bench_summaries(results):
         rows = (summary.get("identity") or {}).get("concurrency") or []
         if rows:

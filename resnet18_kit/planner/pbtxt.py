@@ -1,7 +1,7 @@
 """Planned model configs out: write the chosen config as a config.pbtxt ready to serve.
 
 Configs are read through observe.model_config (parsing and Triton's defaults, one place; the planner's
-BatcherConfig of a config is planner.batcher.batcher_from_config). Written through tritonclient's
+BatcherConfig of a config's ModelConfigView is planner.batcher.batcher_from_config). Written through tritonclient's
 `model_config_pb2` (Triton's own ModelConfig protobuf) and protobuf's `text_format`, so what is written
 is exactly what Triton parses. A planned config is the model's existing config.pbtxt, parsed, with only
 the planned fields changed (max_batch_size, dynamic_batching, the instance count, per-instance

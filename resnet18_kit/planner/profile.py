@@ -171,7 +171,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: Path) -> "Profile":
-        """Read a profile written by `save` (python -m resnet18_kit.planner profile). Raises FileNotFoundError, or
+        """Read a profile written by `save` (resnet18-kit plan profile). Raises FileNotFoundError, or
         ValueError naming the file when it is not JSON."""
         try:
             return cls.from_json(json.loads(Path(path).read_text()))

@@ -265,7 +265,7 @@ def plan(target_rps: float, slo: Slo, profile: Profile, space: SearchSpace = Sea
 
 
 def format_plan(p: Plan) -> str:
-    """The plan as printed by `python -m resnet18_kit.planner plan`."""
+    """The plan as printed by `resnet18-kit plan plan`."""
     lines = [f"target {p.target_rps:,.0f} inferences/s, SLO {p.slo.describe()}, arrivals: {p.arrival}"]
     evaluated = [c for c in p.candidates if c.simulations]
     lines.append(f"searched {len(p.candidates)} configs, simulated {len(evaluated)} "

@@ -22,7 +22,7 @@ from pathlib import Path
 from resnet18_kit.contract import DEFAULT_VARIANT
 from resnet18_kit.load.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError,
                                              run_level)
-from resnet18_kit.observe.model_config import instance_count, variant_config
+from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.observe.statistics import model_statistics, statistics_delta
 from resnet18_kit.planner.batcher import batcher_from_config
 from resnet18_kit.planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
@@ -30,6 +30,7 @@ from resnet18_kit.planner.profile import Profile
 from resnet18_kit.planner.search import device_capacity_rps
 from resnet18_kit.planner.validate_analysis import read_traces, split_levels, trace_summary
 from resnet18_kit.progress import log_status
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
 
 #: Pause between levels, so the trace can be split into levels by the gaps in its queue times
@@ -43,18 +44,20 @@ def trace_args(trace_file: Path) -> tuple[str, ...]:
             "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS", "--trace-config=count=-1")
 
 
-def validate_config(model: str, name: str, profile: Profile, fractions: tuple[float, ...], out_dir: Path,
-                    requests_per_level: int, min_level_s: float, progress=log_status,
-                    rates: tuple[float, ...] = ()) -> list[dict]:
-    """Measure each level: fractions of the config's capacity (or `rates`, req/s), >= requests_per_level requests
-    and >= min_level_s s each. One row per level; status to progress(message, warning=, step=) (resnet18_kit.progress)."""
-    config = variant_config(model, name)  # the file the server loads under --model-config-name=name
-    batcher, instances = batcher_from_config(config), instance_count(config)
+def validate_config(repository: ModelRepository, model: str, name: str, profile: Profile,
+                    fractions: tuple[float, ...], out_dir: Path, requests_per_level: int, min_level_s: float,
+                    progress=log_status, rates: tuple[float, ...] = ()) -> list[dict]:
+    """Serve `repository` with config variant `name` and measure each level of `model`: fractions of the
+    config's capacity (or `rates`, req/s), >= requests_per_level requests and >= min_level_s s each. One row
+    per level; status to progress(message, warning=, step=) (resnet18_kit.progress)."""
+    config = ModelConfigView.for_variant(repository, model, name)  # what the server loads under this name
+    batcher, instances = batcher_from_config(config), config.instance_count()
     capacity = device_capacity_rps(profile, batcher, instances)
     out = out_dir / name
     out.mkdir(parents=True, exist_ok=True)
     trace_file = out / "trace.json"
-    server_config = config_on_free_ports(model_config_name=None if name == DEFAULT_VARIANT else name,
+    server_config = config_on_free_ports(model_repository=repository.root,
+                                         model_config_name=None if name == DEFAULT_VARIANT else name,
                                          extra_args=trace_args(trace_file))
     rows, failed = [], []
     segments: list[tuple[int, int | None]] = []  # every attempt in order: (requests served, kept row or None)

@@ -9,7 +9,7 @@ trace on); this module reads what they left and predicts each level with the mod
     requests), the config's batcher, the profile; and again on the exact send times perf_analyzer used
     (replayed trace);
   * `format_table`: the Markdown tables of docs/capacity.md (measured vs predicted, what the trace shows).
-It starts no server: `python -m resnet18_kit.planner validate --predict-only` runs it on a saved
+It starts no server: `resnet18-kit plan validate --predict-only` runs it on a saved
 validation.json.
 """
 from __future__ import annotations

@@ -30,8 +30,8 @@ def send_crashing_request(config: ServerConfig, model: str = ECHO_MODEL) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def supervised_crash(out_dir: Path, policy: SupervisorPolicy, settle_s: float = 3.0) -> dict:
-    """The command's run: the shipped models and reliability_echo under a Supervisor with `policy` (log
+def supervised_crash(repository: Path, out_dir: Path, policy: SupervisorPolicy, settle_s: float = 3.0) -> dict:
+    """The command's run: the shipped model repository `repository` and reliability_echo under a Supervisor with `policy` (log
     in `out_dir`), resnet18_onnx requests one at a time over gRPC; after 2 s the crashing request, then
     requests go on until the restarted server is ready and `settle_s` seconds more.
 
@@ -39,7 +39,7 @@ def supervised_crash(out_dir: Path, policy: SupervisorPolicy, settle_s: float = 
     "recovered_after_s" (from the crashing request to the first answer after the last failure; None
     if none), "supervisor_events"}.
     """
-    config = config_on_free_ports(extra_model_repositories=(RELIABILITY_REPOSITORY,))
+    config = config_on_free_ports(model_repository=repository, extra_model_repositories=(RELIABILITY_REPOSITORY,))
     with Supervisor(config, policy, log_path=out_dir / "tritonserver-crash.log") as supervisor:
         with SteadyLoad(config, "grpc", reference_answers(config, onnx_load())) as steady:
             time.sleep(2)

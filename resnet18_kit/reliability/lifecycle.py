@@ -1,5 +1,5 @@
 """The fault matrix of the serve command's lifecycle: signals, busy ports, killed processes and a deleted
-model, each against the real `python -m resnet18_kit.server` (a child process: its own signal handling and
+model, each against the real `resnet18-kit serve` (a child process: its own signal handling and
 supervisor are what is measured) on the echo model, under a load that retries refusals.
 
 Each case reports what the retrying clients saw (sent / answered / refused / failed / lost: a logical
@@ -31,7 +31,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from resnet18_kit.observe.processes import child_processes, process_alive
 from resnet18_kit.reliability import ECHO_MODEL, repository_with
 from resnet18_kit.reliability.loads import HANG_BOUND_S, TensorLoad, echo_load
 from resnet18_kit.reliability.senders import send_fresh
+from resnet18_kit.reliability.sigterm import serve_arguments, serve_command
 from resnet18_kit.server.embedded import STUB_EXECUTABLE, ServerConfig, config_on_free_ports
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, python_backend_regions
 
@@ -132,14 +132,6 @@ class RetryingLoad:
         failures = [o for o in results if o.kind not in (ANSWERED, LOST) and not retryable(o)]
         return {"sent": sent, "answered": answered, "refused": refused, "failed": len(failures), "lost": lost,
                 "failures": sorted({f"{o.status or ''} {o.message[:80]}".strip() for o in failures})}
-
-
-def serve_command(config: ServerConfig, log_path: Path) -> list[str]:
-    """The serve command line for `config` (repository, ports, exit timeout), tritonserver's log in `log_path`."""
-    return [sys.executable, "-m", "resnet18_kit.server", "--model-repository", str(config.model_repository),
-            "--http-port", str(config.http_port), "--grpc-port", str(config.grpc_port),
-            "--metrics-port", str(config.metrics_port), "--exit-timeout-s", str(config.exit_timeout_s),
-            "--server-log", str(log_path)]
 
 
 def descendants(pid: int) -> list[tuple[int, str]]:
@@ -351,7 +343,7 @@ def repeated_stops(work_dir: Path, repeat: int, exit_bound_s: float = EXIT_BOUND
     hangs, statuses, serve_statuses, exits, left = 0, set(), set(), [], []
     for round_number in range(repeat):
         config = config_on_free_ports(model_repository=repository, exit_timeout_s=5)
-        args = " ".join(serve_command(config, work_dir / "tritonserver.log")[3:])
+        args = " ".join(serve_arguments(config, work_dir / "tritonserver.log"))
         run = ServeRun(config, work_dir / f"round-{round_number}", ["make", "--no-print-directory", "serve",
                                                                     f"ARGS={args}"])
         try:

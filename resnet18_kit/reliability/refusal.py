@@ -4,11 +4,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 from resnet18_kit.client.classifier import protocol_module
-from resnet18_kit.contract import MODEL_REPOSITORY
 from resnet18_kit.load.outcomes import ANSWERED, LOST, REFUSED, WRONG, Outcome, failed, summarize
-from resnet18_kit.reliability import RELIABILITY_REPOSITORY
 from resnet18_kit.reliability.loads import HANG_BOUND_S, TensorLoad, judge
 from resnet18_kit.reliability.senders import async_client, infer, infer_async
 from resnet18_kit.reliability.table import ms_cell, unaccounted
@@ -33,7 +32,7 @@ def refusal_latency(config: ServerConfig, protocol: str, load: TensorLoad, secon
     """
     from resnet18_kit.server.overload import queue_limits
 
-    limit = queue_limits((MODEL_REPOSITORY, RELIABILITY_REPOSITORY))[load.model]
+    limit = queue_limits((Path(config.model_repository), *map(Path, config.extra_model_repositories)))[load.model]
     fillers = limit.max_queue_size + limit.max_batch_size + 16
     stop = threading.Event()
     filler_outcomes: list[Outcome] = []

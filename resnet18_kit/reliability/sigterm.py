@@ -1,4 +1,4 @@
-"""SIGTERM to the real serve command (`python -m resnet18_kit.server`, run as a child process: its own
+"""SIGTERM to the real serve command (`resnet18-kit serve`, run as a child process: its own
 signal handling is what is measured) while requests are in flight: accepted requests are answered, new
 ones refused, and the process exits within its exit timeout."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from resnet18_kit.contract import MODEL_REPOSITORY, ONNX_MODEL, PROTOCOLS, REPO_ROOT
+from resnet18_kit.contract import ONNX_MODEL, PROTOCOLS, REPO_ROOT
 from resnet18_kit.load.outcomes import ANSWERED, ERROR, LOST, REFUSED, Outcome, summarize
 from resnet18_kit.observe.metrics import model_counters
 from resnet18_kit.reliability.loads import HANG_BOUND_S, TensorLoad, onnx_load, reference_answers
@@ -20,23 +20,39 @@ from resnet18_kit.reliability.senders import send_all, send_fresh
 from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerConfig, config_on_free_ports
 
 
+def serve_arguments(config: ServerConfig, server_log: Path) -> list[str]:
+    """The options of `resnet18-kit serve` for `config` (model repository, ports, exit timeout), tritonserver's
+    log in `server_log`; the global --model-repository given after the command name, as `make serve ARGS=`
+    passes it."""
+    return ["--model-repository", str(config.model_repository),
+            "--http-port", str(config.http_port), "--grpc-port", str(config.grpc_port),
+            "--metrics-port", str(config.metrics_port), "--exit-timeout-s", str(config.exit_timeout_s),
+            "--server-log", str(server_log)]
+
+
+def serve_command(config: ServerConfig, server_log: Path, extra_serve_args: tuple[str, ...] = ()) -> list[str]:
+    """The command line of `resnet18-kit serve` for `config` (serve_arguments), then `extra_serve_args`."""
+    return [sys.executable, "-m", "resnet18_kit", "serve", *serve_arguments(config, server_log), *extra_serve_args]
+
+
 def start_serve(config: ServerConfig, log_path: Path, extra_serve_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """`python -m resnet18_kit.server` on `config`'s model repository, ports and exit timeout, output
-    appended to `log_path`, without an admin key in its environment; the process (not yet ready:
-    `wait_ready`)."""
+    """`resnet18-kit serve` on `config`'s model repository, ports and exit timeout, its output appended to
+    `log_path` (tritonserver's log beside it, <stem>-tritonserver.log), without an admin key in its
+    environment; the process (not yet ready: `wait_ready`)."""
+    server_log = log_path.with_name(f"{log_path.stem}-tritonserver.log")
     with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "resnet18_kit.server", "--model-repository", str(config.model_repository),
-             "--http-port", str(config.http_port), "--grpc-port", str(config.grpc_port),
-             "--metrics-port", str(config.metrics_port), "--exit-timeout-s", str(config.exit_timeout_s),
-             *extra_serve_args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"})
+        return subprocess.Popen(serve_command(config, server_log, extra_serve_args), cwd=REPO_ROOT, stdout=log,
+                                stderr=subprocess.STDOUT,
+                                env={k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"})
 
 
 def wait_ready(config: ServerConfig, process: subprocess.Popen, timeout_s: float) -> None:
     """Block until the server of `config`, run by `process` (a serve command, which starts its own
-    EmbeddedTritonServer), answers /v2/health/ready, polling every 0.25 s; RuntimeError when `process`
-    exits first or `timeout_s` seconds pass."""
+    EmbeddedTritonServer), answers /v2/health/ready and its metrics endpoint (Triton starts that a few
+    ms after HTTP), polling every 0.25 s; RuntimeError when `process` exits first or `timeout_s` seconds
+    pass."""
+    import urllib.request
+
     import tritonclient.http as httpclient
 
     deadline = time.monotonic() + timeout_s
@@ -46,7 +62,8 @@ def wait_ready(config: ServerConfig, process: subprocess.Popen, timeout_s: float
         client = httpclient.InferenceServerClient(config.http_url, connection_timeout=2.0)
         try:
             if client.is_server_ready():
-                return
+                with urllib.request.urlopen(config.metrics_url, timeout=2.0):
+                    return
         except Exception:  # not listening yet
             pass
         finally:
@@ -121,18 +138,18 @@ def sigterm_in_flight(repository: Path, model: str, load: TensorLoad, in_flight:
                                "status": o.status, "message": o.message[:120]} for t, p, o in after]}
 
 
-def reference_answers_from_new_server(out_dir: Path) -> TensorLoad:
-    """Reference answers for onnx_load from a short-lived server (log in `out_dir`): the SIGTERM
-    scenario's own server is the one being stopped."""
-    config = config_on_free_ports()
+def reference_answers_from_new_server(repository: Path, out_dir: Path) -> TensorLoad:
+    """Reference answers for onnx_load from a short-lived server of `repository` (log in `out_dir`): the
+    SIGTERM scenario's own server is the one being stopped."""
+    config = config_on_free_ports(model_repository=repository)
     with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver-reference.log"):
         return reference_answers(config, onnx_load())
 
 
-def sigterm_shipped_models(out_dir: Path, in_flight: int, exit_timeout_s: int = 30) -> dict:
-    """The command's run: sigterm_in_flight on the shipped models with `in_flight` resnet18_onnx requests
-    (log serve-sigterm.log in `out_dir`)."""
-    return sigterm_in_flight(MODEL_REPOSITORY, ONNX_MODEL, reference_answers_from_new_server(out_dir),
+def sigterm_shipped_models(repository: Path, out_dir: Path, in_flight: int, exit_timeout_s: int = 30) -> dict:
+    """The command's run: sigterm_in_flight on the shipped model repository `repository` with `in_flight`
+    resnet18_onnx requests (log serve-sigterm.log in `out_dir`)."""
+    return sigterm_in_flight(repository, ONNX_MODEL, reference_answers_from_new_server(repository, out_dir),
                              in_flight=in_flight, exit_timeout_s=exit_timeout_s,
                              log_path=out_dir / "serve-sigterm.log")
 
@@ -142,7 +159,7 @@ def table_row(result: dict) -> list:
     accepted, after = result["in_flight"], result["after_sigterm"]
     answered = {p: sum(r["kind"] == ANSWERED for r in after if r["protocol"] == p) for p in PROTOCOLS}
     sent = {p: sum(r["protocol"] == p for r in after) for p in PROTOCOLS}
-    return [f"SIGTERM to `python -m resnet18_kit.server` with {accepted['sent']} {result['model']} requests sent",
+    return [f"SIGTERM to `resnet18-kit serve` with {accepted['sent']} {result['model']} requests sent",
             "--scenario sigterm", accepted["sent"], accepted[ANSWERED], accepted[REFUSED],
             accepted[LOST] + accepted[ERROR],
             f"last accepted answered {result['last_in_flight_answered_after_sigterm_s']} s after SIGTERM; "

@@ -1,5 +1,5 @@
-"""python -m resnet18_kit.reliability.soak: a bounded soak run on loopback. Starts the embedded tritonserver, measures the
-`resnet18` ensemble's capacity (closed loop, 32 requests in flight, gRPC, the sample photos), then sends
+"""A bounded soak run on loopback (`resnet18-kit reliability soak`). Starts the embedded tritonserver on the
+model repository, measures the `resnet18` ensemble's capacity (closed loop, 32 requests in flight, gRPC, the sample photos), then sends
 requests at `--load` (default 0.8) of that capacity as a Poisson process for `--minutes` (default 10)
 and checks every answer against the reference. Resident memory of tritonserver and of each Python-backend
 stub is sampled every 5 s.
@@ -11,19 +11,18 @@ tests: it takes minutes. Figures in docs/reliability.md.
 
 Progress: a bar over the seconds of the capacity measurement, then over the seconds of the soak, on
 stderr (drawn on a terminal only), and a log line per minute with that minute's answers, failures,
-latency and resident memory. The report, the per-minute table and PASS/FAIL go to stdout.
+latency and resident memory. The report, the per-minute table and PASS/FAIL go to stdout; the record
+to <--out>/soak-<time>/soak.json (default <results>/reliability).
 
-    .venv/bin/python -m resnet18_kit.reliability.soak                      # 10 minutes at 80 %
-    .venv/bin/python -m resnet18_kit.reliability.soak --minutes 1 --load 0.5
+    resnet18-kit reliability soak                          # 10 minutes at 80 %
+    resnet18-kit reliability soak --minutes 1 --load 0.5
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import random
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,13 +31,12 @@ import tritonclient.grpc.aio as grpcaio
 
 from resnet18_kit.load.outcomes import ANSWERED, LOST, Outcome, percentile, summarize
 from resnet18_kit.observe.machine import cpu_share, cpu_ticks
-from resnet18_kit.progress import Progress, add_logging_arguments, setup_logging
-from resnet18_kit.reliability import RESULTS_DIR
+from resnet18_kit.progress import Progress
 from resnet18_kit.reliability.loads import ensemble_load, infer_input, reference_answers
 from resnet18_kit.reliability.senders import infer_async
 from resnet18_kit.server.embedded import MiB, EmbeddedTritonServer, config_on_free_ports
 
-log = logging.getLogger("resnet18_kit.reliability.soak")
+log = logging.getLogger(__name__)
 
 
 async def closed_loop(url: str, load, concurrency: int, duration_s: float) -> float:
@@ -189,51 +187,38 @@ class MinuteLog:
         log.log(logging.WARNING if row["failed"] else logging.INFO, "%s; %s", note, self.progress.status())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the soak (module doc); exit status 0 when it passes, 1 when it fails."""
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.reliability.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=10.0, help="length of the soak, minutes (default 10)")
-    parser.add_argument("--load", type=float, default=0.8, help="fraction of the measured capacity (default 0.8)")
-    parser.add_argument("--capacity-s", type=float, default=30.0,
-                        help="seconds of the capacity measurement (default 30)")
-    parser.add_argument("--max-in-flight", type=int, default=256,
-                        help="most requests outstanding at once; a send waits beyond it (default 256)")
-    parser.add_argument("--memory-bound-mib", type=float, default=64.0,
-                        help="allowed growth of the total resident memory from start to end (default 64 MiB)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
-                        help=f"folder for soak-<time>/ (soak.json, tritonserver.log; default {RESULTS_DIR})")
-    add_logging_arguments(parser)
-    args = parser.parse_args(argv)
-    setup_logging("resnet18_kit.reliability.soak", args.log_level)
-    out_dir = args.out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
+def soak(repository: Path, out: Path, minutes: float = 10.0, load_fraction: float = 0.8, capacity_s: float = 30.0,
+         max_in_flight: int = 256, memory_bound_mib: float = 64.0) -> int:
+    """Run the soak (module doc) on the model repository `repository`, its record in `out`/soak-<time>/;
+    exit status 0 when it passes, 1 when it fails."""
+    out_dir = out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = config_on_free_ports()
+    config = config_on_free_ports(model_repository=repository)
     log.info("starting tritonserver (log: %s)", out_dir / "tritonserver.log")
     with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver.log") as server:
         load = reference_answers(config, ensemble_load())
-        log.info("measuring capacity (%.0f s, 32 in flight, gRPC, ensemble)", args.capacity_s)
-        with Progress(args.capacity_s, "s", "soak: capacity", log, log_updates=False) as progress, \
+        log.info("measuring capacity (%.0f s, 32 in flight, gRPC, ensemble)", capacity_s)
+        with Progress(capacity_s, "s", "soak: capacity", log, log_updates=False) as progress, \
                 progress.ticking():
-            capacity = asyncio.run(closed_loop(config.grpc_url, load, 32, args.capacity_s))
-        rate = capacity * args.load
-        log.info("capacity %.1f req/s; sending %.1f req/s for %g min", capacity, rate, args.minutes)
+            capacity = asyncio.run(closed_loop(config.grpc_url, load, 32, capacity_s))
+        rate = capacity * load_fraction
+        log.info("capacity %.1f req/s; sending %.1f req/s for %g min", capacity, rate, minutes)
         ticks_before = cpu_ticks()
         results: list[tuple[float, Outcome]] = []
         with MemoryLog(server) as memory, \
-                Progress(args.minutes * 60, "s", f"soak: {rate:.1f} req/s", log, log_updates=False) as progress:
-            minutes = MinuteLog(results, memory, progress)
-            with progress.ticking(on_tick=minutes):
-                results, delayed = asyncio.run(open_loop(config.grpc_url, load, rate, args.minutes * 60,
-                                                         args.max_in_flight, results=results))
-            minutes.finish()
+                Progress(minutes * 60, "s", f"soak: {rate:.1f} req/s", log, log_updates=False) as progress:
+            minute_log = MinuteLog(results, memory, progress)
+            with progress.ticking(on_tick=minute_log):
+                results, delayed = asyncio.run(open_loop(config.grpc_url, load, rate, minutes * 60,
+                                                         max_in_flight, results=results))
+            minute_log.finish()
         ticks_after = cpu_ticks()
     outcomes = [o for _, o in results]
     summary = summarize(outcomes, len(outcomes))
     failed = len(outcomes) - summary[ANSWERED]
     mem = memory.report()
-    record = {"capacity_per_s": round(capacity, 2), "load": args.load, "rate_per_s": round(rate, 2),
-              "minutes": args.minutes, "summary": summary, "failed": failed, "sends_delayed_by_bound": delayed,
+    record = {"capacity_per_s": round(capacity, 2), "load": load_fraction, "rate_per_s": round(rate, 2),
+              "minutes": minutes, "summary": summary, "failed": failed, "sends_delayed_by_bound": delayed,
               "per_minute": per_minute(results), "memory": mem, "memory_samples": memory.samples,
               "cpu_steal_share": round(cpu_share(ticks_before, ticks_after)["steal"], 3),
               "failures": [o.__dict__ for o in outcomes if o.kind != ANSWERED][:50]}
@@ -247,11 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print("resident memory (MiB): process: start -> end (peak)")
     for name, figures in mem.items():
         print(f"  {name:<28} {figures['start_mib']:>8} -> {figures['end_mib']:>8} ({figures['peak_mib']})")
-    ok = failed == 0 and mem["total"]["growth_mib"] < args.memory_bound_mib
+    ok = failed == 0 and mem["total"]["growth_mib"] < memory_bound_mib
     print(f"soak: {'PASS' if ok else 'FAIL'} (zero failed requests; total memory growth "
-          f"{mem['total']['growth_mib']} MiB < {args.memory_bound_mib:g} MiB); record: {out_dir / 'soak.json'}")
+          f"{mem['total']['growth_mib']} MiB < {memory_bound_mib:g} MiB); record: {out_dir / 'soak.json'}")
     return 0 if ok else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -67,11 +67,11 @@ def stub_kill(supervisor: Supervisor, model: str, load: TensorLoad, protocol: st
     }
 
 
-def supervised_stub_kill(out_dir: Path, policy: SupervisorPolicy) -> dict:
-    """The command's run: the shipped models under a Supervisor with `policy` (log in `out_dir`), the
+def supervised_stub_kill(repository: Path, out_dir: Path, policy: SupervisorPolicy) -> dict:
+    """The command's run: the shipped model repository `repository` under a Supervisor with `policy` (log in `out_dir`), the
     ensemble's photos one at a time over gRPC, resnet18_onnx's stub killed; stub_kill's result with
     "supervisor_events"."""
-    config = config_on_free_ports(extra_model_repositories=(RELIABILITY_REPOSITORY,))
+    config = config_on_free_ports(model_repository=repository, extra_model_repositories=(RELIABILITY_REPOSITORY,))
     with Supervisor(config, policy, log_path=out_dir / "tritonserver-stub-kill.log") as supervisor:
         load = reference_answers(config, ensemble_load())
         result = stub_kill(supervisor, ONNX_MODEL, load, protocol="grpc", after_recovery=20)

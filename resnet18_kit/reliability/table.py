@@ -1,10 +1,10 @@
-"""The table `python -m resnet18_kit.reliability` prints (docs/reliability.md): one row per case, the
+"""The table `resnet18-kit reliability run` prints (docs/reliability.md): one row per case, the
 columns below; each scenario module makes its own rows with `table_row`."""
 from __future__ import annotations
 
 from resnet18_kit.load.outcomes import ERROR, LOST, WRONG
 
-COLUMNS = ("case", "`python -m resnet18_kit.reliability` ...", "sent", "answered", "refused / failed", "lost",
+COLUMNS = ("case", "`resnet18-kit reliability run` ...", "sent", "answered", "refused / failed", "lost",
            "time to refuse / recover", "also")
 
 

@@ -1,4 +1,4 @@
-"""python -m resnet18_kit.server: serve the model repository with Triton 2.51 (the PyPI `tritonserver`, CPU).
+"""resnet18-kit serve: serve the model repository with Triton 2.51 (the PyPI `tritonserver`, CPU).
 
 Runs the export first when model files are missing, checks that the three ports are free (a taken one:
 one line naming it and its holder, exit 2), starts tritonserver, waits until every model is ready on the
@@ -19,7 +19,7 @@ A supervisor restarts tritonserver when it exits, when a Python-backend stub pro
 does not restart it; the model would fail every request while still reporting READY) or when it stops
 answering; after --max-restarts restarts within 10 minutes it gives up and exits 1.
 
-tritonserver's log goes to --server-log (default results/serve-tritonserver.log, emptied at each start of
+tritonserver's log goes to --server-log (default <results>/serve-tritonserver.log, emptied at each start of
 `serve`) and is shown here as it grows, except its CUDA messages on a machine without a usable GPU: one
 line says they are expected (the models run on the CPU) and where the full log is.
 
@@ -37,28 +37,19 @@ import sys
 import threading
 from pathlib import Path
 
-from resnet18_kit.contract import (MODEL_REPOSITORY, missing_artifacts, outdated_reason, repository_variant_names,
-                                   results_dir, shown)
+from resnet18_kit.export import ensure_exported
+from resnet18_kit.repository import ModelRepository
+from resnet18_kit.settings import Settings, shown
 from resnet18_kit.server.embedded import (ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ConfigurationError,
                                           ServerConfig, check_ports_free)
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
 
-#: Where `serve` writes tritonserver's full log (every restart appends to it).
-DEFAULT_SERVER_LOG = results_dir() / "serve-tritonserver.log"
+#: The file under the results folder where `serve` writes tritonserver's full log (restarts append to it).
+SERVER_LOG_NAME = "serve-tritonserver.log"
 #: What the supervisor appends to a start failure; the lines were shown as they came (LogFollower).
 LOG_TAIL_MARK = "; server log tail:"
-
-
-def ensure_exported() -> None:
-    """Run `python -m resnet18_kit.export` when any generated model file is missing or the exports predate an output
-    the served code needs (exits on export failure)."""
-    missing = missing_artifacts()
-    reason = f"{len(missing)} model files missing" if missing else outdated_reason()
-    if reason:
-        print(f"serve: {reason}, running the export first")
-        subprocess.run([sys.executable, "-m", "resnet18_kit.export"], check=True)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,8 +63,6 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
                         help="Prometheus metrics port (default 8002)")
     parser.add_argument("--model-config-name", help="use <model>/configs/<NAME>.pbtxt where present")
-    parser.add_argument("--model-repository", default=str(MODEL_REPOSITORY),
-                        help="model repository folder (default model_repository/)")
     parser.add_argument("--exit-timeout-s", type=int, default=defaults.exit_timeout_s,
                         help="seconds in-flight requests get to finish on shutdown (default 30)")
     parser.add_argument("--log-verbose", type=int, default=0,
@@ -84,15 +73,17 @@ class InsecureBindError(ValueError):
     """--host names a non-loopback address and no admin key is set: refused (exit status 2)."""
 
 
-def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerConfig:
-    """The ServerConfig for the parsed arguments; the admin key comes from $TRITON_ADMIN_KEY.
+def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict[str, str] | None = None
+                     ) -> ServerConfig:
+    """The ServerConfig for the parsed arguments and the settings' model repository; the admin key comes
+    from $TRITON_ADMIN_KEY.
 
     Warns on stderr when the server will be reachable from other machines; raises InsecureBindError
     when it would be reachable without the restricted APIs being locked.
     """
     environ = os.environ if environ is None else environ
     admin_key = environ.get(ADMIN_KEY_ENV) or None
-    config = ServerConfig(model_repository=args.model_repository, host=args.host,
+    config = ServerConfig(model_repository=settings.model_repository, host=args.host,
                           http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           model_config_name=args.model_config_name, exit_timeout_s=args.exit_timeout_s,
                           log_verbose=args.log_verbose, admin_key=admin_key)
@@ -117,41 +108,59 @@ def check_variant(config: ServerConfig) -> None:
     name = config.model_config_name
     if name is None:
         return
-    known = repository_variant_names(Path(config.model_repository))
+    known = ModelRepository(config.model_repository).variant_names()
     if name not in known:
         raise ConfigurationError(f"--model-config-name {name}: no model in {shown(Path(config.model_repository))} "
                                  f"has configs/{name}.pbtxt; known names: {', '.join(known)}")
 
 
-def parse_server_config(parser: argparse.ArgumentParser, argv: list[str] | None):
-    """(args, ServerConfig) from `argv`, for a parser given add_server_arguments. A refused --host
-    (InsecureBindError), an unknown --model-config-name or a taken port is one line on stderr naming
-    it and exit status 2 (SystemExit)."""
-    args = parser.parse_args(argv)
+def checked_server_config(settings: Settings, args: argparse.Namespace, command: str = "serve") -> ServerConfig | None:
+    """The ServerConfig of parsed add_server_arguments options, checked before anything starts; None
+    after printing one line naming the problem (a refused --host, an unknown --model-config-name, a
+    port taken or impossible): the command then exits 2."""
     try:
-        config = config_from_args(args)
+        config = config_from_args(settings, args)
         check_variant(config)
         check_ports_free(config)
     except (InsecureBindError, ConfigurationError) as exc:
-        message = str(exc)
-        parser.exit(2, f"{message if message.startswith('serve:') else 'serve: ' + message}\n")
-    return args, config
+        message = str(exc).removeprefix("serve: ")
+        print(f"{command}: {message}", file=sys.stderr)
+        return None
+    return config
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Serve until Ctrl-C or SIGTERM (module doc); exit status 0 on a clean stop, 1 when the server could
-    not be kept running or the stop was cut short, 2 for a bad environment: a refused --host, an unknown
-    --model-config-name, a taken port, a model that does not load."""
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.server", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def prepared_server_config(settings: Settings, args: argparse.Namespace, command: str = "serve"
+                           ) -> ServerConfig | None:
+    """checked_server_config, then the export into the settings' repository when its files are missing
+    (export.ensure_exported); None after one line on stderr when either fails (the command exits 2)."""
+    config = checked_server_config(settings, args, command)
+    if config is None:
+        return None
+    try:
+        ensure_exported(settings.repository)
+    except subprocess.CalledProcessError as exc:
+        print(f"{command}: the export failed (exit status {exc.returncode}); nothing was started", file=sys.stderr)
+        return None
+    return config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve command's options: the server's own (add_server_arguments) and the supervisor's."""
     add_server_arguments(parser)
     parser.add_argument("--max-restarts", type=int, default=SupervisorPolicy.max_restarts,
                         help="restarts allowed within 10 minutes before giving up (default 5; 0: never "
                              "restart, exit 1 on the first fault)")
-    parser.add_argument("--server-log", type=Path, default=DEFAULT_SERVER_LOG,
-                        help="tritonserver's full log, emptied at start (default results/serve-tritonserver.log)")
-    args, config = parse_server_config(parser, argv)
-    ensure_exported()
+    parser.add_argument("--server-log", type=Path,
+                        help=f"tritonserver's full log, emptied at start (default <results>/{SERVER_LOG_NAME})")
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C or SIGTERM (module doc); exit status 0 on a clean stop, 1 when the server could
+    not be kept running or the stop was cut short, 2 for a bad environment: a refused --host, an unknown
+    --model-config-name, a taken port, a model that does not load, a failed export."""
+    config = prepared_server_config(settings, args)
+    if config is None:
+        return 2
 
     def on_signal(signum, effect: str) -> None:  # called from the main loop (SignalStop.poll), not a handler
         if effect == "stop":
@@ -174,10 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"  HTTP    http://{config.http_url}   (KServe v2: /v2/health/ready, /v2/models/resnet18/infer)\n"
                   f"  gRPC    {config.grpc_url}\n"
                   f"  metrics {config.metrics_url}\n"
-                  f"  try:    resnet18-classify --url {config.http_url} <images>\n"
+                  f"  try:    resnet18-kit classify --url {config.http_url} <images>\n"
                   f"serve: Ctrl-C or SIGTERM to stop", flush=True)
 
-    server_log = args.server_log.resolve()
+    server_log = (args.server_log or settings.results_dir(SERVER_LOG_NAME)).resolve()
     server_log.parent.mkdir(parents=True, exist_ok=True)
     server_log.write_bytes(b"")
     print(f"serve: tritonserver log: {shown(server_log)}", file=sys.stderr, flush=True)
@@ -190,6 +199,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serve: exiting with status {status}", file=sys.stderr, flush=True)
     return status
 
-
-if __name__ == "__main__":
-    sys.exit(main())

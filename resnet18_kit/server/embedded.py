@@ -7,15 +7,12 @@ The one place that knows how that server is put together (the same steps PyTrito
   * the venv's bin/ first on PATH, so each stub's embedded interpreter imports the venv's packages.
 
 What a start guarantees (docs/reliability.md "Faults"):
-  * the three ports are checked before anything starts: a taken one is PortBusyError, naming the port
-    and, where /proc tells, the process holding it;
+  * the three ports are checked before anything starts (PortBusyError names the port and its holder);
   * readiness is believed only from this server: /v2/health/ready must answer 200 *and* the socket
     listening on the HTTP port must belong to the tritonserver process started here (another server
     on the port cannot satisfy the probe);
   * every start gets its own Python-backend shared-memory prefix (`shm_prefix`), and `stop()` removes
-    whatever is left under it in /dev/shm once the process group is gone: Triton 2.51 leaves the
-    16 MiB region of a stub that was killed, and all of them when tritonserver itself is killed or
-    fails to start.
+    whatever is left under it in /dev/shm once the process group is gone (server.resources).
 """
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from resnet18_kit.contract import DEFAULT_HOST, DEFAULT_PORTS, MODEL_REPOSITORY, PROTOCOLS
+from resnet18_kit.contract import DEFAULT_HOST, DEFAULT_PORTS, PROTOCOLS
 from resnet18_kit.observe.processes import child_processes, port_listeners, rss_bytes
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, busy_port, remove_regions
 from resnet18_kit.server.server_log import first_error_line, log_tail
@@ -55,9 +52,10 @@ STUB_EXECUTABLE = "triton_python_backend_stub"
 _starts = itertools.count(1)
 @dataclass(frozen=True)
 class ServerConfig:
-    """What a user sets when starting the server. Ports 0 are not allowed: pass real free ports."""
+    """What a user sets when starting the server (ports 0 are not allowed: pass real free ports);
+    model_repository is required to start one (Settings.model_repository for the commands)."""
 
-    model_repository: Path = MODEL_REPOSITORY
+    model_repository: Path | None = None
     #: More repositories served beside it (Triton merges them; model names must not clash).
     extra_model_repositories: tuple[Path, ...] = ()
     #: Address HTTP, gRPC and metrics listen on. 127.0.0.1 keeps the server private to this machine.
@@ -67,10 +65,9 @@ class ServerConfig:
     metrics_port: int = DEFAULT_PORTS["metrics"]
     #: Load <model>/configs/<name>.pbtxt instead of config.pbtxt where it exists (e.g. "gpu").
     model_config_name: str | None = None
-    #: On SIGTERM the server stops taking requests and waits this long for in-flight ones to finish.
+    #: On SIGTERM: seconds for open HTTP connections and in-flight requests (docs/reliability.md "Stopping").
     exit_timeout_s: int = 30
-    #: Initial shared-memory region of each Python-backend stub: one batch of 16 FP32 images
-    #: (16 x 3 x 224 x 224 x 4 B = 9.6 MB) plus its logits fits without growing the region.
+    #: Each stub's first shared-memory region: a batch of 16 FP32 images (9.6 MB) and its logits fit in it.
     python_shm_default_bytes: int = 16 * MiB
     python_shm_growth_bytes: int = 16 * MiB
     log_verbose: int = 0
@@ -160,6 +157,8 @@ def server_environment() -> dict[str, str]:
 def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PREFIX) -> list[str]:
     """The tritonserver command line for `config` (no shell quoting needed: a list of arguments);
     `shm_prefix`: the name prefix of its stubs' shared-memory regions in /dev/shm."""
+    if config.model_repository is None:
+        raise ValueError("ServerConfig.model_repository is required to start a server")
     cmd = [
         str(tritonserver_binary()),
         *(f"--model-repository={repository}"
@@ -273,8 +272,8 @@ class EmbeddedTritonServer:
         """Check the ports, start the server and block until it is ready; return seconds from start to
         ready.
 
-        cancelled: polled while waiting; when it returns True the server is stopped and StartCancelled
-        raised. Raises PortBusyError before starting anything when a port is taken, ConfigurationError
+        cancelled: polled while waiting; when it returns True, StartCancelled is raised with the server
+        still running (it may be ready already and hold requests): stop() it. Raises PortBusyError before starting anything when a port is taken, ConfigurationError
         when tritonserver exits before ready (a model failed to load, a bad option: its first error line
         names it), ServerStartError when `ready_timeout_s` seconds pass.
         """
@@ -292,6 +291,8 @@ class EmbeddedTritonServer:
             output.close()
         try:
             self.wait_ready(ready_timeout_s, cancelled)
+        except StartCancelled:
+            raise  # still running: it may already hold requests, so the caller stops it gracefully
         except BaseException:
             self.stop(drain_s=0)
             raise

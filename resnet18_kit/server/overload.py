@@ -21,41 +21,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from resnet18_kit.contract import DEFAULT_VARIANT
 from resnet18_kit.observe.metrics import model_counters
+from resnet18_kit.observe.model_config import ModelConfigView
+from resnet18_kit.repository import ModelRepository
 
 PENDING_GAUGE = "nv_inference_pending_request_count"
 
 
-@dataclass(frozen=True)
-class QueueLimit:
-    max_queue_size: int
-    max_batch_size: int
-
-    @property
-    def overload_threshold(self) -> int:
-        """Pending requests at which the model is (about to start) refusing: at most one batch left."""
-        return max(1, self.max_queue_size - self.max_batch_size)
-
-
-def queue_limits(repositories: tuple[Path, ...], config_name: str | None = None) -> dict[str, QueueLimit]:
-    """{model: QueueLimit} for every model of `repositories` whose queue is bounded (the config Triton
-    would load: configs/<config_name>.pbtxt where it exists, else config.pbtxt)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    sizes = {}
-    for repository in repositories:
-        for model_dir in sorted(Path(repository).iterdir()):
-            path = model_dir / "config.pbtxt"
-            if config_name and (model_dir / "configs" / f"{config_name}.pbtxt").is_file():
-                path = model_dir / "configs" / f"{config_name}.pbtxt"
-            if not path.is_file():
-                continue
-            config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
-            size = config.dynamic_batching.default_queue_policy.max_queue_size
-            if size > 0:
-                sizes[config.name or model_dir.name] = QueueLimit(size, config.max_batch_size)
-    return sizes
+def queue_limits(repositories: tuple[Path, ...], config_name: str | None = None) -> dict[str, ModelConfigView]:
+    """{model: its ModelConfigView} for every model of `repositories` whose queue is bounded, as Triton
+    would load it (configs/<config_name>.pbtxt where it exists, else config.pbtxt)."""
+    limits = {}
+    for root in repositories:
+        repository = ModelRepository(root)
+        for model in repository.model_names():
+            view = ModelConfigView.for_variant(repository, model, config_name or DEFAULT_VARIANT)
+            if view.max_queue_size > 0:
+                limits[view.name] = view
+    return limits
 
 
 def queue_fill(metrics_url: str, sizes: dict[str, int], timeout_s: float = 2.0) -> dict[str, float]:
@@ -70,7 +54,7 @@ class QueueWatch:
     """Warns when a model's pending requests reach its overload threshold, at most once per `repeat_s`
     per model."""
 
-    limits: dict[str, QueueLimit]
+    limits: dict[str, ModelConfigView]
     repeat_s: float = 10.0
 
     def __post_init__(self):

@@ -104,6 +104,11 @@ class Supervisor:
 
     # -- start, check, restart ------------------------------------------------------------------------
 
+    def _hurried(self) -> bool:
+        """True once the stop request of `run` asks to cut the drain short (read without blocking)."""
+        stop = self._stop_request
+        return stop is not None and stop.wait(0) and stop.hurried
+
     def start_server(self) -> float:
         """Start tritonserver and wait until ready; return seconds to ready. Raises ServerStartError
         (StartCancelled when the stop request of `run` came first)."""
@@ -171,7 +176,8 @@ class Supervisor:
         try:
             self.start_server()
         except StartCancelled:
-            self._event("stopped", "stop requested while restarting; the new server was stopped")
+            status = self.server.stop(hurry=self._hurried)
+            self._event("stopped", f"stop requested while restarting; the new server stopped (status {status})")
             return 0
         except ServerStartError as exc:
             self._event("gave-up", f"restart failed: {exc}")
@@ -189,7 +195,8 @@ class Supervisor:
         try:
             self.start_server()
         except StartCancelled:
-            self._event("stopped", "stop requested before the server was ready; it was stopped")
+            status = self.server.stop(hurry=self._hurried)
+            self._event("stopped", f"stop requested before the server was ready; it stopped (status {status})")
             return 0
         except ServerStartError as exc:
             self._event("start-failed", str(exc))
@@ -200,7 +207,7 @@ class Supervisor:
                 status = self.restart(reason)
                 if status is not None:
                     return status
-        status = self.server.stop(hurry=lambda: stop.wait(0) and stop.hurried)
+        status = self.server.stop(hurry=self._hurried)
         if stop.hurried:
             self._event("stopped", f"drain cut short: tritonserver and its stubs killed (status {status})")
             return 1

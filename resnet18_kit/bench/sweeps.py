@@ -1,10 +1,10 @@
-"""python -m resnet18_kit.bench: perf_analyzer sweeps of ResNet-18 over swapped model configs, against the ceilings.
+"""perf_analyzer sweeps of ResNet-18 over swapped model configs, against the ceilings (resnet18-kit bench run).
 
-For each named config of the model (config.pbtxt as "default", and configs/<name>.pbtxt), the embedded
-tritonserver is restarted with `--model-config-name=<name>`: a restart, not the model-control API,
-because the process start -> ready time is one of the figures (cold start), and because a restart with
-`--model-config-name` is exactly how docker compose and Kubernetes switch configs; the config the
-server really loaded is read back and recorded. Per config:
+For each named config of the model (config.pbtxt as "default", and configs/<name>.pbtxt, GPU-only ones
+left out), the embedded tritonserver is restarted with `--model-config-name=<name>`: a restart, not the
+model-control API, because the process start -> ready time is one of the figures (cold start), and
+because a restart with `--model-config-name` is exactly how docker compose and Kubernetes switch
+configs; the config the server really loaded is read back and recorded. Per config:
   * cold start: process start to every model ready (s), then the first inference's latency (ms);
   * the in-process ceiling (ONNX Runtime, no server) at batch 1 and at the config's max_batch_size, the
     latter both as one session on all cores and as one single-threaded session per core (the better
@@ -14,18 +14,19 @@ server really loaded is read back and recorded. Per config:
     the server's CPU utilization sampled from the metrics endpoint.
 Then the batching-layer ceiling: the trivial `identity` model through the same server and batcher.
 
-Then the main job end to end (resnet18_kit/bench/pipeline.py; --skip-pipeline leaves it out, --skip-tensor-sweeps runs
-only it): encoded photos (the sample photos, and the same as 12-megapixel JPEGs) as real BYTES requests
+Then the main job end to end (resnet18_kit/bench/pipeline.py; --skip-pipeline leaves it out,
+--skip-tensor-sweeps runs only it): encoded photos (the sample photos, and the same as 12-megapixel JPEGs) as real BYTES requests
 through the `resnet18` ensemble (preprocess -> resnet18_onnx), per config variant (--pipeline-variants;
 default: "default" and "int8" when configs/int8.pbtxt exists), photo set, protocol and concurrency, with
 the server's split per step (queue, compute, average batch), against the same pipeline in-process.
 
-Writes results/bench-<UTC time>[-quick]/: perf_analyzer's files per level, machine.json, summary.json,
-report.md and PNG plots (three for the tensor sweeps, two end to end). --quick finishes in about 6
-minutes on the 2-core reference machine (under 3 without the end-to-end part).
+Writes <results>/bench-<UTC time>[-quick]/ (--out to choose the folder): perf_analyzer's files per level,
+machine.json, summary.json, report.md and PNG plots (three for the tensor sweeps, two end to end).
+--quick takes about 7 minutes on 2 cores (measured: 441 s on the 2-core reference machine).
 
-Progress: a bar over the planned perf_analyzer runs on stderr (drawn on a terminal only) and a log line
-per run with the count done and the ETA; the report's path and the targets go to stdout.
+Progress: a log line on stderr per perf_analyzer run with the count done, the elapsed time and the ETA
+(INFO; so `resnet18-kit bench run --quick > log 2>&1` shows it), and a bar on a terminal; the report's
+path and the targets go to stdout.
 """
 from __future__ import annotations
 
@@ -45,31 +46,35 @@ from resnet18_kit.bench import inprocess
 from resnet18_kit.observe.machine import cpu_share, cpu_ticks, machine_info
 from resnet18_kit.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
 from resnet18_kit.bench.pipeline import pipeline_options, print_targets, run_pipeline
-from resnet18_kit.observe import model_config
-from resnet18_kit.observe.model_config import served_config
-from resnet18_kit.progress import Progress, add_logging_arguments, setup_logging
+from resnet18_kit.observe.model_config import ModelConfigView, served_config
+from resnet18_kit.progress import Progress
 from resnet18_kit.bench.report import saturation_row, write_report
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
 from resnet18_kit.client.classifier import TritonClassifierClient
-from resnet18_kit.contract import results_dir, MODEL_REPOSITORY, ONNX_MODEL, REPO_ROOT, missing_artifacts
+from resnet18_kit.contract import DEFAULT_VARIANT, ONNX_MODEL
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.settings import Settings, shown
 
+#: The bench's own model repository (the trivial `identity` model), shipped inside the package.
 BENCH_REPOSITORY = Path(__file__).parent / "model_repository"
 IDENTITY_MODEL = "identity"
-log = logging.getLogger("bench")
+#: Variants that need a GPU: left out of the sweeps on this CPU-only bench.
+GPU_VARIANTS = ("gpu",)
+log = logging.getLogger(__name__)
 
 
-def config_names(model: str) -> list[str]:
-    """"default" (config.pbtxt) and every configs/<name>.pbtxt of `model`, GPU-only variants left out."""
-    names = sorted(p.stem for p in (MODEL_REPOSITORY / model / "configs").glob("*.pbtxt"))
-    return ["default"] + [n for n in names if n != "gpu"]
+def config_names(repository: ModelRepository, model: str) -> list[str]:
+    """"default" (config.pbtxt) and every configs/<name>.pbtxt of `model` (ModelRepository.variant_names),
+    GPU-only variants left out."""
+    return [DEFAULT_VARIANT] + [n for n in repository.variant_names(model)
+                                if n != DEFAULT_VARIANT and n not in GPU_VARIANTS]
 
 
-def local_batching(model: str, name: str) -> tuple[int, int, int]:
-    """(max_batch_size, max_queue_size, instances) of config `name` as written in the model repository,
-    read with observe.model_config (Triton's defaults: e.g. an instance group of count 0)."""
-    config = model_config.variant_config(model, name)
-    return model_config.max_batch_size(config), model_config.max_queue_size(config), model_config.instance_count(config)
+def local_batching(repository: ModelRepository, model: str, name: str) -> ModelConfigView:
+    """Config `name` of `model` as written in the model repository (max_batch_size, max_queue_size,
+    instance_count(): Triton's defaults filled in, e.g. for an instance group of count 0)."""
+    return ModelConfigView.for_variant(repository, model, name)
 
 
 def measure_level(server: EmbeddedTritonServer, model: str, load: LoadSpec, level: float, out_dir: Path,
@@ -108,15 +113,18 @@ def concurrency_levels(name: str, max_batch_size: int, max_queue_size: int, inst
     return levels_for(max_batch_size, max_queue_size, quick, instances)
 
 
-def run_config(name: str, model: str, run_dir: Path, args, progress: Progress) -> dict:
+def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path, args,
+               progress: Progress) -> dict:
     """Restart the server with config `name`, measure cold start, in-process ceiling and both sweeps."""
     out = run_dir / name
     out.mkdir(parents=True)
-    server_config = config_on_free_ports(model_config_name=None if name == "default" else name)
+    server_config = config_on_free_ports(model_config_name=None if name == DEFAULT_VARIANT else name,
+                                         model_repository=repository.root)
     server = EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log")
     progress.set_description(f"{name}: starting tritonserver")
+    log.info("%s: starting tritonserver (--model-config-name %s)", name, name)
     ready_s = server.start()
-    log.info("%s: tritonserver ready in %.1f s (log: %s)", name, ready_s, out / "tritonserver.log")
+    log.info("%s: tritonserver ready in %.1f s (log: %s)", name, ready_s, shown(out / "tritonserver.log"))
     try:
         with TritonClassifierClient(server_config.http_url, "http") as client:
             probe = np.zeros((1, 3, 224, 224), np.float32)
@@ -129,8 +137,9 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: Progress) -
         log.debug("%s: first inference %.1f ms; served config %s", name, first_ms,
                   {k: v for k, v in record.items() if k not in ("name", "cold_start")})
         progress.set_description(f"{name}: in-process ceiling")
-        single = inprocess.measure("onnxruntime", sorted({1, record["max_batch_size"]}), duration_s=args.inprocess_s)
-        parallel = inprocess.measure_parallel(record["max_batch_size"], duration_s=args.inprocess_s)
+        single = inprocess.measure(repository, "onnxruntime", sorted({1, record["max_batch_size"]}),
+                                   duration_s=args.inprocess_s)
+        parallel = inprocess.measure_parallel(repository, record["max_batch_size"], duration_s=args.inprocess_s)
         record["inprocess"] = [asdict(r) for r in single] + [asdict(parallel)]
         # The ceiling: the better in-process arrangement at the config's max batch (see resnet18_kit/bench/inprocess.py),
         # measured again right after the concurrency sweep (below): the efficiency divides by the mean of
@@ -152,12 +161,13 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: Progress) -
                 load = replace(load, request_count=max(int(capacity * 2.5), 6 * int(level)))
             progress.set_description(f"{name}: concurrency {level:g}")
             record["concurrency"].append(measure_level(server, model, load, level, out / f"concurrency-{level:g}",
-                                                       args.protocol))
+                                                       args.sweep_protocol))
             progress.update()
         progress.set_description(f"{name}: in-process ceiling again")
-        ceiling_after = (inprocess.measure_parallel(record["max_batch_size"], duration_s=args.inprocess_s)
+        ceiling_after = (inprocess.measure_parallel(repository, record["max_batch_size"], duration_s=args.inprocess_s)
                          if best_arrangement == "parallel" else
-                         inprocess.measure("onnxruntime", [record["max_batch_size"]], duration_s=args.inprocess_s)[0])
+                         inprocess.measure(repository, "onnxruntime", [record["max_batch_size"]],
+                                           duration_s=args.inprocess_s)[0])
         record["inprocess_ceiling_before_after"] = [ceiling_before, ceiling_after.throughput]
         record["inprocess_at_max_batch"] = capacity = (ceiling_before + ceiling_after.throughput) / 2
         rates = tuple(round(f * capacity, 1) for f in args.rate_fractions) if name in args.rate_configs else ()
@@ -171,7 +181,7 @@ def run_config(name: str, model: str, run_dir: Path, args, progress: Progress) -
         for rate in rates:
             progress.set_description(f"{name}: {rate:g} requests/s")
             record["request_rate"].append(measure_level(server, model, rate_load, rate, out / f"rate-{rate:g}",
-                                                        args.protocol))
+                                                        args.sweep_protocol))
             progress.update()
         record["efficiency"] = saturation_row(record)["throughput"] / capacity
         return record
@@ -229,20 +239,22 @@ def evaluate_targets(configs: dict[str, dict], identity: dict, cores: int) -> li
     return targets
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the sweeps (module doc); exit status 0, 2 when the model files are missing."""
-    parser = argparse.ArgumentParser(prog="python -m resnet18_kit.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench run`'s options."""
     parser.add_argument("--quick", action="store_true",
-                        help="fewer levels, fixed request counts: ~6 min (< 3 min with --skip-pipeline)")
-    parser.add_argument("--model", default=ONNX_MODEL)
-    parser.add_argument("--configs", nargs="*", help="config names (default: all CPU configs of the model)")
-    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+                        help="fewer levels, fixed request counts: about 7 minutes on 2 cores "
+                             "(about 3 with --skip-pipeline)")
+    parser.add_argument("--model", default=ONNX_MODEL, help=f"the network model swept (default {ONNX_MODEL})")
+    parser.add_argument("--configs", nargs="*", metavar="NAME",
+                        help="config variants to sweep (default: every CPU variant of the model)")
+    parser.add_argument("--perf-protocol", dest="sweep_protocol", choices=("grpc", "http"), default="grpc",
+                        help="perf_analyzer's protocol against the bench's own server (default grpc)")
     parser.add_argument("--shared-memory", choices=("none", "system"), default="system",
                         help="perf_analyzer's tensor transport (default system: same host)")
     parser.add_argument("--measurement-ms", type=int,
                         help="perf_analyzer measurement window, ms (default 2500, quick 1500)")
-    parser.add_argument("--out", type=Path, help="results folder (default results/bench-<time>)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="results folder (default <results>/bench-<time>[-quick])")
     parser.add_argument("--pipeline-variants", nargs="+", metavar="NAME",
                         help="config variants for the end-to-end part (server-wide --model-config-name; "
                              "default: default, and int8 when configs/int8.pbtxt exists)")
@@ -251,37 +263,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-pipeline", action="store_true", help="leave the end-to-end part out")
     parser.add_argument("--pipeline-served-repository", type=Path, metavar="DIR",
                         help="serve the end-to-end part from this model repository (e.g. an older checkout's "
-                             "model_repository/, for a before/after); the in-process twin is this checkout's")
-    add_logging_arguments(parser)
-    args = parser.parse_args(argv)
-    setup_logging("bench", args.log_level)
-    if missing_artifacts():
-        log.error("model files missing: run `make export` first")
-        return 2
+                             "model_repository/, for a before/after); the in-process twin is --model-repository's")
+
+
+def usage_problem(repository: ModelRepository, args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line or the model repository (one line), None when nothing is."""
+    if repository.missing_artifacts():
+        return "model files missing: run `resnet18-kit export` first"
     if args.skip_tensor_sweeps and args.skip_pipeline:
-        parser.error("--skip-tensor-sweeps and --skip-pipeline together leave nothing to run")
+        return "--skip-tensor-sweeps and --skip-pipeline together leave nothing to run"
+    known = config_names(repository, args.model)
+    unknown = sorted(set(args.configs or ()) - set(known))
+    if unknown and not args.skip_tensor_sweeps:
+        return f"--configs: no such config of {args.model}: {', '.join(unknown)} (one of {', '.join(known)})"
+    served = args.pipeline_served_repository
+    if served is not None and not (served / ONNX_MODEL).is_dir():
+        return f"--pipeline-served-repository: no model repository with {ONNX_MODEL} at {served}"
+    return None
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    """Run the sweeps (module doc); exit status 0, 2 for a bad command line or missing model files."""
+    repository = settings.repository
+    problem = usage_problem(repository, args)
+    if problem:
+        print(f"resnet18-kit bench run: {problem}", file=sys.stderr)
+        return 2
     args.measurement_ms = args.measurement_ms or (1500 if args.quick else 2500)
     args.inprocess_s = 1.5 if args.quick else 8.0
     #: Request rates as fractions of the in-process ceiling at max batch (its capacity on this machine).
     args.rate_fractions = (0.7,) if args.quick else (0.3, 0.7, 0.9)
     args.rate_configs = ("default",) if args.quick else ("default", "throughput")
-    known = config_names(args.model)
-    names = [] if args.skip_tensor_sweeps else args.configs or known
-    unknown = sorted(set(names) - {"default", *known})
-    if unknown:
-        parser.error(f"--configs: no such config of {args.model}: {', '.join(unknown)} (one of {', '.join(known)})")
+    names = [] if args.skip_tensor_sweeps else args.configs or config_names(repository, args.model)
     try:
         pipeline = None if args.skip_pipeline else replace(pipeline_options(
-            args.quick, args.pipeline_variants, None if args.quick else args.measurement_ms),
-            served_repository=args.pipeline_served_repository)
+            repository, settings.results_dir(), args.quick, args.pipeline_variants,
+            None if args.quick else args.measurement_ms), served_repository=args.pipeline_served_repository)
     except ValueError as exc:
-        parser.error(str(exc))
+        print(f"resnet18-kit bench run: --pipeline-variants: {exc}", file=sys.stderr)
+        return 2
 
     started, ticks = time.time(), cpu_ticks()
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    run_dir = args.out.resolve() if args.out else results_dir() / f"bench-{stamp:%Y%m%d-%H%M%S}{'-quick' if args.quick else ''}"
+    run_dir = (args.out.resolve() if args.out else
+               settings.results_dir(f"bench-{stamp:%Y%m%d-%H%M%S}{'-quick' if args.quick else ''}"))
     run_dir.mkdir(parents=True, exist_ok=False)
-    steps = sum(len(concurrency_levels(n, *local_batching(args.model, n), quick=args.quick)) for n in names)
+    views = {n: local_batching(repository, args.model, n) for n in names}
+    steps = sum(len(concurrency_levels(n, v.max_batch_size, v.max_queue_size, v.instance_count(), args.quick))
+                for n, v in views.items())
     if names:
         steps += len(args.rate_fractions) * sum(n in args.rate_configs for n in names) + (1 if args.quick else 6)
     steps += pipeline.perf_runs if pipeline else 0
@@ -289,17 +318,19 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%d perf_analyzer runs planned: %s%s%s; results in %s", steps,
              f"{len(names)} config(s) ({' '.join(names)}) and the identity ceiling" if names else "",
              " and " if names and pipeline else "",
-             f"{pipeline.perf_runs} end-to-end runs ({' '.join(pipeline.variants)})" if pipeline else "", run_dir)
+             f"{pipeline.perf_runs} end-to-end runs ({' '.join(pipeline.variants)})" if pipeline else "",
+             shown(run_dir))
     with Progress(steps, "run", "bench", log) as progress:
         for name in names:
-            configs[name] = run_config(name, args.model, run_dir, args, progress)
+            configs[name] = run_config(repository, name, args.model, run_dir, args, progress)
         if names:
             identity = run_identity(run_dir, args, progress)
         if pipeline:
             parts["pipeline"] = run_pipeline(run_dir, pipeline, progress)
     if names:
         log.info("in-process TorchScript reference (batch 1, 16, 32)")
-        torchscript = [asdict(r) for r in inprocess.measure("torchscript", [1, 16, 32], duration_s=args.inprocess_s)]
+        torchscript = [asdict(r) for r in inprocess.measure(repository, "torchscript", [1, 16, 32],
+                                                            duration_s=args.inprocess_s)]
         parts.update({
             "configs": list(configs.values()),
             "inprocess": [r for c in configs.values() for r in c["inprocess"] if c["name"] == names[0]] + torchscript,
@@ -309,10 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(versions[0])
     machine["cpu_during_run"] = cpu_share(ticks, cpu_ticks())  # steal > a few % means a noisy neighbour
     summary = {
-        "command": "python -m resnet18_kit.bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "resnet18-kit " + shlex.join(sys.argv[1:]),
         "started_utc": stamp.isoformat(timespec="seconds"), "elapsed_s": time.time() - started,
-        "model": args.model, "machine": machine,
-        "perf_analyzer": {"protocol": args.protocol, "shared_memory": args.shared_memory,
+        "model": args.model, "model_repository": str(repository.root), "machine": machine,
+        "perf_analyzer": {"protocol": args.sweep_protocol, "shared_memory": args.shared_memory,
                           "measurement_ms": args.measurement_ms},
         "configs": [], "inprocess": [],  # "identity" only when measured (resnet18_kit/planner/measure.py reads it)
         **parts,
@@ -321,8 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "machine.json").write_text(json.dumps(machine, indent=2) + "\n")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report = write_report(run_dir)
-    shown = report.relative_to(REPO_ROOT) if report.is_relative_to(REPO_ROOT) else report  # --out may be elsewhere
-    print(f"\nbench: {shown} ({time.time() - started:.0f} s)")
+    print(f"\nbench: {shown(report)} ({time.time() - started:.0f} s)")
     if summary["targets"]:
         print("tensor sweeps (resnet18_onnx):")
         print_targets(summary["targets"])
@@ -330,7 +360,3 @@ def main(argv: list[str] | None = None) -> int:
         print("end to end (resnet18 ensemble, encoded photos):")
         print_targets(summary["pipeline"]["targets"])
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

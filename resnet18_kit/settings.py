@@ -1,0 +1,156 @@
+"""Settings: one frozen object built once at the entry point (resnet18_kit.cli) and handed down.
+
+Each field comes from its flag, else its environment variable, else its default (`Settings.build`):
+
+| field              | flag                 | environment variable             | default |
+|---|---|---|---|
+| model_repository   | --model-repository   | RESNET18_KIT_MODEL_REPOSITORY    | the checkout's model_repository/, else ./model_repository |
+| results            | --results            | RESNET18_KIT_RESULTS             | the checkout's results/, else ./results |
+| log_level          | --log-level          | RESNET18_KIT_LOG_LEVEL           | INFO |
+| protocol           | --protocol           | RESNET18_KIT_PROTOCOL            | http |
+| url                | --url                | RESNET18_KIT_URL                 | 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc |
+| metrics_url        | --metrics-url        | RESNET18_KIT_METRICS_URL         | http://<host of url>:8002/metrics |
+
+"The checkout" is the source tree this package sits in (an editable install); an installed package has
+none, and then the folders are relative to the working directory. Nothing here is read at import time.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from resnet18_kit.contract import DEFAULT_PORTS, DEFAULT_URLS, PROTOCOLS
+from resnet18_kit.repository import ModelRepository
+
+#: The source tree this package sits in, when it is one (pyproject.toml and model_repository/ beside it).
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+ENV = {"model_repository": "RESNET18_KIT_MODEL_REPOSITORY", "results": "RESNET18_KIT_RESULTS",
+       "log_level": "RESNET18_KIT_LOG_LEVEL", "protocol": "RESNET18_KIT_PROTOCOL", "url": "RESNET18_KIT_URL",
+       "metrics_url": "RESNET18_KIT_METRICS_URL"}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used (a folder that is not one, an unknown protocol or log level, a URL
+    that is not host:port); the message is one line naming the flag or variable and the value."""
+
+
+def checkout() -> Path | None:
+    """The source checkout this package lives in, None for an installed package."""
+    in_checkout = (PACKAGE_PARENT / "pyproject.toml").is_file() and (PACKAGE_PARENT / "model_repository").is_dir()
+    return PACKAGE_PARENT if in_checkout else None
+
+
+def default_folder(name: str) -> Path:
+    """`name` ("model_repository", "results") in the checkout, else in the working directory."""
+    root = checkout()
+    return (root if root is not None else Path.cwd()).resolve() / name
+
+
+def metrics_url_for(url: str) -> str:
+    """The metrics endpoint of the server at `url` (host:port): the same host, port 8002, /metrics."""
+    host = url.rsplit(":", 1)[0] if ":" in url else url
+    return f"http://{host}:{DEFAULT_PORTS['metrics']}/metrics"
+
+
+def check_url(url: str, source: str) -> str:
+    """`url` when it is host:port with a port of 1..65535 (no scheme: tritonclient takes none); else
+    SettingsError naming `source` (the flag or variable it came from)."""
+    host, _, port = url.rpartition(":")
+    if "://" in url or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise SettingsError(f"{source} {url!r}: give host:port, e.g. {DEFAULT_URLS['http']} (no http://)")
+    return url
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every command shares. Paths are absolute; url is host:port for `protocol`."""
+
+    model_repository: Path
+    results: Path
+    log_level: str = "INFO"
+    protocol: str = "http"
+    url: str = DEFAULT_URLS["http"]
+    metrics_url: str = metrics_url_for(DEFAULT_URLS["http"])
+
+    @property
+    def repository(self) -> ModelRepository:
+        """The model repository as files (repository.ModelRepository)."""
+        return ModelRepository(self.model_repository)
+
+    def results_dir(self, *parts: str) -> Path:
+        """results / parts (not created), e.g. results_dir("reliability")."""
+        return self.results.joinpath(*parts)
+
+    @classmethod
+    def build(cls, flags: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+              ) -> "Settings":
+        """Settings from `flags` (field name -> value; None = not given), then `environ` (default
+        os.environ; the variables of ENV), then the defaults (module doc). Raises SettingsError."""
+        flags = {k: v for k, v in (flags or {}).items() if v is not None}
+        environ = os.environ if environ is None else environ
+
+        def pick(field: str):
+            if field in flags:
+                return flags[field], "--" + field.replace("_", "-")
+            value = environ.get(ENV[field])
+            return (value, f"${ENV[field]}") if value else (None, None)
+
+        repository, source = pick("model_repository")
+        repository = Path(repository).expanduser().resolve() if repository else default_folder("model_repository")
+        if source and not repository.is_dir():
+            raise SettingsError(f"{source}: not a folder: {repository}")
+        results, _ = pick("results")
+        results = Path(results).expanduser().resolve() if results else default_folder("results")
+        log_level, source = pick("log_level")
+        log_level = str(log_level or "INFO").upper()
+        if log_level not in LOG_LEVELS:
+            raise SettingsError(f"{source} {log_level!r}: one of {', '.join(LOG_LEVELS)}")
+        protocol, source = pick("protocol")
+        protocol = str(protocol or "http").lower()
+        if protocol not in PROTOCOLS:
+            raise SettingsError(f"{source} {protocol!r}: one of {', '.join(PROTOCOLS)}")
+        url, source = pick("url")
+        url = check_url(str(url), source) if url else DEFAULT_URLS[protocol]
+        metrics_url, _ = pick("metrics_url")
+        return cls(model_repository=repository, results=results, log_level=log_level, protocol=protocol,
+                   url=url, metrics_url=str(metrics_url) if metrics_url else metrics_url_for(url))
+
+
+def shown(path: Path) -> Path:
+    """`path` as a command prints it: relative to the working directory when it lies under it, else as it is."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
+
+
+def bench_summaries(results: Path):
+    """Yield (path, summary) for each <results>/bench-*/summary.json that reads as a JSON object: full runs
+    first, then --quick ones (folders ending in "-quick"; they read 10-20 % low), each newest first by folder
+    name (bench-YYYYmmdd-HHMMSS). Unreadable files are passed over."""
+    import json
+
+    paths = sorted(Path(results).glob("bench-*/summary.json"),
+                   key=lambda p: (not p.parent.name.endswith("-quick"), p.parent.name), reverse=True)
+    for path in paths:
+        try:
+            summary = json.loads(path.read_text())
+        except (ValueError, OSError):
+            continue
+        if isinstance(summary, dict):
+            yield path, summary
+
+
+def add_server_address_options(parser) -> None:
+    """--url, --protocol and --metrics-url: the address of the server a command talks to, defined once for
+    every command that talks to one (Settings.build reads them; argparse parser)."""
+    group = parser.add_argument_group("server address")
+    group.add_argument("--url", help=f"host:port of the server, no scheme (default {DEFAULT_URLS['http']} for "
+                                     f"http, {DEFAULT_URLS['grpc']} for grpc; ${ENV['url']})")
+    group.add_argument("--protocol", type=str.lower, choices=PROTOCOLS,
+                       help=f"http or grpc (KServe v2 / Open Inference Protocol; default http; ${ENV['protocol']})")
+    group.add_argument("--metrics-url", help=f"Prometheus metrics endpoint (default http://<host of --url>:"
+                                             f"{DEFAULT_PORTS['metrics']}/metrics; ${ENV['metrics_url']})")
