@@ -41,7 +41,7 @@ from resnet18_kit.export import ensure_exported
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shown
 from resnet18_kit.server.embedded import (ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ConfigurationError,
-                                          ServerConfig, check_ports_free)
+                                          ServerConfig, check_ports_free, tritonserver_binary)
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
@@ -118,6 +118,7 @@ def checked_server_config(settings: Settings, args: argparse.Namespace, command:
     """The ServerConfig of parsed add_server_arguments options, checked before anything starts; None
     after printing one line naming the problem (a refused --host, an unknown --model-config-name, a
     port taken or impossible): the command then exits 2."""
+    tritonserver_binary()  # ModuleNotFoundError without the 'serve' extra: the command names the extra
     try:
         config = config_from_args(settings, args)
         check_variant(config)

@@ -110,7 +110,7 @@ def _client_host(host: str) -> str:
 def _pytriton_dir() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("nvidia-pytriton is not installed in this interpreter; run `make setup`")
+        raise ModuleNotFoundError("nvidia-pytriton is not installed (the 'serve' extra)", name="pytriton")
     return Path(list(spec.submodule_search_locations)[0])
 
 
