@@ -55,8 +55,8 @@ def test_fault_matrix_row(case, tmp_path):
     if line is not None:
         assert any(line in text for text in result["lines"]), result["lines"]
     assert counts["lost"] == 0, counts
+    # its own regions (their names carry serve's pid); the global counts also hold other servers' regions
     assert result["left_running"] == [] and result["shm_left"] == [], result
-    assert result["shm_after"] <= result["shm_before"], result
     assert result["exit_s"] < EXIT_TIMEOUT_S + 10, result
     if case in ("sigterm", "sigterm-x3", "sigint", "tritonserver-kill"):
         assert counts["failed"] == 0 and counts["answered"] > 0, counts
@@ -75,7 +75,7 @@ def test_make_serve_stopped_with_two_sigterms_never_hangs(tmp_path):
     result = repeated_stops(tmp_path, repeat=3)
     print(f"\n{result}")
     assert result["hangs"] == 0 and result["serve_statuses"] == [0], result
-    assert result["left_running"] == [] and result["shm_after"] <= result["shm_before"], result
+    assert result["left_running"] == [] and result["shm_left"] == [], result
 
 
 def test_signals_are_only_recorded_and_a_second_sigint_hurries():

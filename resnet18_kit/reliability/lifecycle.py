@@ -336,11 +336,12 @@ def repeated_stops(work_dir: Path, repeat: int, exit_bound_s: float = EXIT_BOUND
 
     Returns {"rounds", "hangs", "exit_statuses" (make's, distinct: -15 as make re-raises SIGTERM),
     "serve_statuses" (distinct, from serve's last line), "exit_s" ({"min", "median", "max"}),
-    "left_running" (processes left over all rounds), "shm_before", "shm_after"}.
+    "left_running" (processes left over all rounds), "shm_left" (regions of the serve processes left),
+    "shm_before", "shm_after" (all regions in /dev/shm, other servers' included)}.
     """
     repository = repository_with([ECHO_MODEL], work_dir / "repository")
     shm_before = len(shm_regions())
-    hangs, statuses, serve_statuses, exits, left = 0, set(), set(), [], []
+    hangs, statuses, serve_statuses, exits, left, shm_left = 0, set(), set(), [], [], []
     for round_number in range(repeat):
         config = config_on_free_ports(model_repository=repository, exit_timeout_s=5)
         args = " ".join(serve_arguments(config, work_dir / "tritonserver.log"))
@@ -362,12 +363,13 @@ def repeated_stops(work_dir: Path, repeat: int, exit_bound_s: float = EXIT_BOUND
             if run.process.poll() is None:
                 run.kill_everything()
         left += run.leftovers()
+        shm_left += [name for pid in (run.process.pid, *run.seen) for name in shm_regions(pid)]
     exits.sort()
     return {"rounds": repeat, "hangs": hangs, "exit_statuses": sorted(statuses),
             "serve_statuses": sorted(serve_statuses, key=str),
             "exit_s": {"min": round(exits[0], 2), "median": round(exits[len(exits) // 2], 2),
                        "max": round(exits[-1], 2)} if exits else None,
-            "left_running": left, "shm_before": shm_before, "shm_after": len(shm_regions())}
+            "left_running": left, "shm_left": shm_left, "shm_before": shm_before, "shm_after": len(shm_regions())}
 
 
 def table_row(result: dict) -> list:
