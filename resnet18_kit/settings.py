@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from resnet18_kit.client.urls import host_port
 from resnet18_kit.contract import DEFAULT_PORTS, DEFAULT_URLS, PROTOCOLS
 from resnet18_kit.repository import ModelRepository
 
@@ -55,13 +56,13 @@ def metrics_url_for(url: str) -> str:
     return f"http://{host}:{DEFAULT_PORTS['metrics']}/metrics"
 
 
-def check_url(url: str, source: str) -> str:
-    """`url` when it is host:port with a port of 1..65535 (no scheme: tritonclient takes none); else
-    SettingsError naming `source` (the flag or variable it came from)."""
-    host, _, port = url.rpartition(":")
-    if "://" in url or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise SettingsError(f"{source} {url!r}: give host:port, e.g. {DEFAULT_URLS['http']} (no http://)")
-    return url
+def check_url(url: str, protocol: str, source: str) -> str:
+    """The host:port tritonclient takes, from `url` as a user gives it (client.urls.host_port: "host:port",
+    or a URL whose scheme is `protocol`'s); SettingsError naming `source` (the flag or variable) otherwise."""
+    try:
+        return host_port(url, protocol)
+    except ValueError as exc:
+        raise SettingsError(f"{source}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class Settings:
         if protocol not in PROTOCOLS:
             raise SettingsError(f"{source} {protocol!r}: one of {', '.join(PROTOCOLS)}")
         url, source = pick("url")
-        url = check_url(str(url), source) if url else DEFAULT_URLS[protocol]
+        url = check_url(str(url), protocol, source) if url else DEFAULT_URLS[protocol]
         metrics_url, _ = pick("metrics_url")
         return cls(model_repository=repository, results=results, log_level=log_level, protocol=protocol,
                    url=url, metrics_url=str(metrics_url) if metrics_url else metrics_url_for(url))

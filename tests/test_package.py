@@ -161,7 +161,8 @@ def test_help_names_the_command_the_user_typed(command, tmp_path):
     (["--model-repository", "/nonexistent/repository", "export"], "--model-repository: not a folder: /nonexistent/repository"),
     (["export", "--model-repository", "/nonexistent/repository"], "--model-repository: not a folder: /nonexistent/repository"),
     (["--log-level", "LOUD", "figures"], "--log-level 'LOUD': one of DEBUG, INFO, WARNING, ERROR"),
-    (["classify", "--url", "http://127.0.0.1:8000", "x.png"], "--url 'http://127.0.0.1:8000': give host:port"),
+    (["classify", "--url", "https://127.0.0.1:8000", "x.png"], "--url: URL 'https://127.0.0.1:8000': scheme https://"),
+    (["classify", "--url", "127.0.0.1", "x.png"], "--url: URL '127.0.0.1': give host:port"),
 ])
 def test_a_bad_setting_is_one_line(tmp_path, args, message):
     result = kit(*args, cwd=tmp_path)
