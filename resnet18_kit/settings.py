@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import Mapping
 
 from resnet18_kit.client.urls import host_port
-from resnet18_kit.contract import DEFAULT_PORTS, DEFAULT_URLS, PROTOCOLS
+from resnet18_kit.contract import DEFAULT_PORTS, DEFAULT_URLS, PROTOCOLS, REPO_ROOT
 from resnet18_kit.repository import ModelRepository
 
-#: The source tree this package sits in, when it is one (pyproject.toml and model_repository/ beside it).
-PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 ENV = {"model_repository": "RESNET18_KIT_MODEL_REPOSITORY", "results": "RESNET18_KIT_RESULTS",
        "log_level": "RESNET18_KIT_LOG_LEVEL", "protocol": "RESNET18_KIT_PROTOCOL", "url": "RESNET18_KIT_URL",
        "metrics_url": "RESNET18_KIT_METRICS_URL"}
@@ -40,8 +38,8 @@ class SettingsError(ValueError):
 
 def checkout() -> Path | None:
     """The source checkout this package lives in, None for an installed package."""
-    in_checkout = (PACKAGE_PARENT / "pyproject.toml").is_file() and (PACKAGE_PARENT / "model_repository").is_dir()
-    return PACKAGE_PARENT if in_checkout else None
+    in_checkout = (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "model_repository").is_dir()
+    return REPO_ROOT if in_checkout else None
 
 
 def default_folder(name: str) -> Path:

@@ -41,7 +41,7 @@ from resnet18_kit.observe.processes import child_processes, process_alive
 from resnet18_kit.reliability import ECHO_MODEL, repository_with
 from resnet18_kit.reliability.loads import HANG_BOUND_S, TensorLoad, echo_load
 from resnet18_kit.reliability.senders import send_fresh
-from resnet18_kit.reliability.sigterm import serve_arguments, serve_command
+from resnet18_kit.reliability.sigterm import environment_without_admin_key, serve_arguments, serve_command
 from resnet18_kit.server.embedded import STUB_EXECUTABLE, ServerConfig, config_on_free_ports
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, python_backend_regions
 
@@ -163,7 +163,7 @@ class ServeRun:
             self.process = subprocess.Popen(command or serve_command(config, work_dir / "tritonserver.log"),
                                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True,
-                                            env={k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"})
+                                            env=environment_without_admin_key())
         self.started = time.monotonic()
         self.seen: dict[int, str] = {}
 

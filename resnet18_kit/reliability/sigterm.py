@@ -17,7 +17,7 @@ from resnet18_kit.load.outcomes import ANSWERED, ERROR, LOST, REFUSED, Outcome, 
 from resnet18_kit.observe.metrics import model_counters
 from resnet18_kit.reliability.loads import HANG_BOUND_S, TensorLoad, onnx_load, reference_answers
 from resnet18_kit.reliability.senders import send_all, send_fresh
-from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerConfig, config_on_free_ports
+from resnet18_kit.server.embedded import ADMIN_KEY_ENV, EmbeddedTritonServer, ServerConfig, config_on_free_ports
 
 
 def serve_arguments(config: ServerConfig, server_log: Path) -> list[str]:
@@ -28,6 +28,12 @@ def serve_arguments(config: ServerConfig, server_log: Path) -> list[str]:
             "--http-port", str(config.http_port), "--grpc-port", str(config.grpc_port),
             "--metrics-port", str(config.metrics_port), "--exit-timeout-s", str(config.exit_timeout_s),
             "--server-log", str(server_log)]
+
+
+def environment_without_admin_key() -> dict[str, str]:
+    """This process's environment without $TRITON_ADMIN_KEY, for the serve commands the scenarios start
+    (they listen on loopback and must not lock the APIs the scenarios call)."""
+    return {k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}
 
 
 def serve_command(config: ServerConfig, server_log: Path, extra_serve_args: tuple[str, ...] = ()) -> list[str]:
@@ -43,7 +49,7 @@ def start_serve(config: ServerConfig, log_path: Path, extra_serve_args: tuple[st
     with open(log_path, "ab") as log:
         return subprocess.Popen(serve_command(config, server_log, extra_serve_args), cwd=REPO_ROOT, stdout=log,
                                 stderr=subprocess.STDOUT,
-                                env={k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"})
+                                env=environment_without_admin_key())
 
 
 def wait_ready(config: ServerConfig, process: subprocess.Popen, timeout_s: float) -> None:
