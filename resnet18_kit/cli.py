@@ -26,6 +26,8 @@ DISTRIBUTION = "triton-resnet18-kit"
 COMMANDS = {
     "serve": ("resnet18_kit.server.__main__", "serve",
               "serve the model repository with Triton 2.51 (supervised) until Ctrl-C or SIGTERM"),
+    "fleet": ("resnet18_kit.fleet.__main__", "serve",
+              "N replicas of the server behind HAProxy (per-request balancing, health checks, rolling restarts)"),
     "demo": ("resnet18_kit.demo", "serve", "the main job: serve, classify the sample photos over HTTP and gRPC, stop"),
     "export": ("resnet18_kit.export.__main__", "export",
                "ResNet-18 -> ONNX, TorchScript and INT8 ONNX in the model repository, with parity checks"),

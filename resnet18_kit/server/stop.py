@@ -68,12 +68,15 @@ class SignalStop(StopRequest):
     thread: the previous handlers and wake-up fd are restored on exit.
 
     on_signal(signum, effect): called from the main loop (poll / wait), never from a handler, with effect
-    "stop", "hurry" or "repeat" (a signal that changes nothing), to tell the user what happens.
+    "stop", "hurry" or "repeat" (a signal that changes nothing), to tell the user what happens, or
+    "other" for a signal of `also` (e.g. SIGHUP: the fleet's rolling restart), which the caller acts on.
     """
 
-    def __init__(self, on_signal: Callable[[signal.Signals, str], None] | None = None) -> None:
+    def __init__(self, on_signal: Callable[[signal.Signals, str], None] | None = None,
+                 also: tuple[signal.Signals, ...] = ()) -> None:
         super().__init__()
         self._on_signal = on_signal or (lambda signum, effect: None)
+        self._also = tuple(also)
         self._read_fd: int | None = None
         self._write_fd: int | None = None
         self._previous: dict[int, object] = {}
@@ -84,7 +87,7 @@ class SignalStop(StopRequest):
         os.set_blocking(self._read_fd, False)
         os.set_blocking(self._write_fd, False)
         self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        for signum in STOP_SIGNALS:
+        for signum in STOP_SIGNALS + self._also:
             # Only the wake-up byte matters; a Python handler is needed so the default one does not run.
             self._previous[signum] = signal.signal(signum, _record_only)
         return self
@@ -104,6 +107,9 @@ class SignalStop(StopRequest):
             except BlockingIOError:
                 return
             for signum in data:
+                if signum in self._also:
+                    self._on_signal(signal.Signals(signum), "other")
+                    continue
                 if signum not in STOP_SIGNALS:
                     continue
                 if not self.requested:
