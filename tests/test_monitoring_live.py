@@ -71,17 +71,20 @@ def rules_for_test(for_s: int) -> dict:
 
 
 class Prometheus:
-    """A prometheus process on a free port with its own storage, scraping one Triton metrics port."""
+    """A prometheus process on a free port with its own storage, scraping Triton metrics ports: one
+    (labelled POD_LABELS) or, for a fleet, several, each labelled as its own pod (`pods`: port -> pod)."""
 
-    def __init__(self, workdir: Path, metrics_port: int):
+    def __init__(self, workdir: Path, metrics_port: int | None = None, pods: dict[int, str] | None = None):
         (port,) = free_ports(1)
         self.url = f"http://127.0.0.1:{port}"
         (workdir / "rules.yml").write_text(yaml.safe_dump(rules_for_test(TEST_FOR_S)))
+        pods = pods or {metrics_port: POD_LABELS["pod"]}
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(workdir / "rules.yml")],
             "scrape_configs": [{"job_name": "triton", "static_configs": [
-                {"targets": [f"127.0.0.1:{metrics_port}"], "labels": POD_LABELS}]}],
+                {"targets": [f"127.0.0.1:{metrics_port}"], "labels": POD_LABELS | {"pod": pod}}
+                for metrics_port, pod in pods.items()]}],
         }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = open(workdir / "prometheus.log", "wb")
@@ -272,11 +275,12 @@ def test_dashboard_queries_return_data_under_load(prometheus, flood):
     assert prometheus.query(f'sum(rate(nv_inference_count{{model="{ECHO_MODEL}"}}[{RATE_INTERVAL}]))')[0][1] > 0
 
 
-def adapter_query() -> str:
-    """prometheus-adapter's metricsQuery as the adapter sends it for one pod of POD_LABELS."""
+def adapter_query(pods: tuple[str, ...] = (POD_LABELS["pod"],)) -> str:
+    """prometheus-adapter's metricsQuery as the adapter sends it for `pods` (an HPA's target pods: the
+    adapter asks for all of them in one query, `pod=~"a|b"`, grouped by pod)."""
     (rule,) = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
     series = re.fullmatch(r"(\w+)\{.*\}", rule["seriesQuery"]).group(1)
-    matchers = f'namespace="{POD_LABELS["namespace"]}",pod=~"{POD_LABELS["pod"]}"'
+    matchers = f'namespace="{POD_LABELS["namespace"]}",pod=~"{"|".join(pods)}"'
     return (rule["metricsQuery"].replace("<<.Series>>", series).replace("<<.LabelMatchers>>", matchers)
             .replace("<<.GroupBy>>", "pod"))
 
@@ -338,3 +342,43 @@ def test_every_metric_named_in_deploy_is_one_triton_exports(triton):
     # A misspelt metric is named, with where it is used.
     bad = {"dashboard.json: Throughput A": "sum(rate(nv_inference_counts[1m]))"}
     assert unexported(bad, exported) == {"nv_inference_counts": ["dashboard.json: Throughput A"]}
+
+
+def test_rules_and_hpa_signal_over_a_fleet(tmp_path_factory):
+    """Two echo replicas behind HAProxy (resnet18-kit fleet's classes), one Prometheus scraping both metrics
+    ports as two pods: the flood goes through HAProxy's gRPC front end, the queue alert fires for each
+    replica, and the adapter's query (both pods in one query, as the HPA asks) gives each pod's signal."""
+    from resnet18_kit.fleet.fleet import Fleet
+    from resnet18_kit.reliability.fleet_scenarios import fleet_config, light_repository
+
+    repository = light_repository(tmp_path_factory.mktemp("fleet-repository") / "models")
+    fleet = Fleet(fleet_config(repository, tmp_path_factory.mktemp("fleet"), replicas=2))
+    fleet.start()
+    pods = {c.metrics_port: f"triton-{i}" for i, c in enumerate(fleet.config.replicas)}
+    prometheus = Prometheus(tmp_path_factory.mktemp("prometheus-fleet"), pods=pods)
+    flood = Flood(fleet.config.front.server_config().grpc_url)
+    try:
+        prometheus.wait_until("prometheus scraping both replicas", lambda: len(
+            [v for _, v in prometheus.query('up{job="triton"}') if v == 1]) == 2, timeout_s=30)
+        flood.start()
+
+        def firing_pods() -> set[str]:
+            return {a["labels"].get("pod") for a in prometheus.get("/api/v1/alerts")["alerts"]
+                    if a["labels"]["alertname"] == OVERLOAD_ALERT and a["state"] == "firing"}
+
+        fired = prometheus.wait_until(f"{OVERLOAD_ALERT} firing for both replicas",
+                                      lambda: firing_pods() if firing_pods() == set(pods.values()) else None,
+                                      timeout_s=40)
+        query = adapter_query(tuple(pods.values()))
+        signal = dict(prometheus.wait_until("the HPA signal for both pods", lambda: (
+            lambda r: r if len(r) == 2 and all(v > 0 for _, v in r) else None)(
+            [(labels["pod"], value) for labels, value in prometheus.query(query)]), timeout_s=30))
+        print(f"\nfleet of 2: {OVERLOAD_ALERT} firing for {sorted(fired)}; HPA signal per pod {signal}; "
+              f"the HPA's average {sum(signal.values()) / len(signal):.2f} (query: {query})", flush=True)
+        assert set(signal) == set(pods.values())
+        assert all(0 < v <= echo_max_queue_size() for v in signal.values()), signal
+        assert all(status == {"UP"} for status in (fleet.status(0), fleet.status(1))), fleet.statuses()
+    finally:
+        flood.stop()
+        prometheus.stop()
+        fleet.stop()

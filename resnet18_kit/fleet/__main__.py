@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_REPLICA_BASE_PORT})")
     parser.add_argument("--haproxy-config", type=Path,
                         help="HAProxy policy file (default: the checkout's deploy/haproxy/haproxy.cfg)")
+    parser.add_argument("--haproxy", type=Path, help="the haproxy executable (default: haproxy on PATH, else "
+                                                      "/usr/sbin/haproxy, Debian's package)")
+    parser.add_argument("--ready-timeout-s", type=float, default=300.0,
+                        help="seconds each replica may take to load its models and become ready (default 300)")
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts each replica's supervisor may make within 10 minutes (default 5)")
 
@@ -67,15 +71,20 @@ def fleet_config(settings: Settings, args: argparse.Namespace):
     from resnet18_kit.fleet.fleet import FleetConfig, replica_configs
     from resnet18_kit.fleet.haproxy import HAPROXY_CONFIG, FrontEnd
     from resnet18_kit.server.__main__ import config_from_args, check_variant
+    from resnet18_kit.server.embedded import ConfigurationError
     from resnet18_kit.server.supervisor import SupervisorPolicy
 
     template = config_from_args(settings, args)
     check_variant(template)
     workdir = settings.results_dir(RESULTS_NAME).resolve()
     front = FrontEnd(args.host, args.http_port, args.grpc_port, workdir / "haproxy.sock")
+    if args.ready_timeout_s <= 0:
+        raise ConfigurationError(f"--ready-timeout-s {args.ready_timeout_s:g}: give a positive number of seconds")
     return FleetConfig(replica_configs(template, args.replicas, args.replica_base_port), front, workdir,
                        policy=(args.haproxy_config or HAPROXY_CONFIG).resolve(),
-                       supervisor=SupervisorPolicy(poll_interval_s=0.2, max_restarts=args.max_restarts))
+                       supervisor=SupervisorPolicy(poll_interval_s=0.2, max_restarts=args.max_restarts,
+                                                   ready_timeout_s=args.ready_timeout_s),
+                       ready_timeout_s=args.ready_timeout_s, haproxy=args.haproxy)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:

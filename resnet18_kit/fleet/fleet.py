@@ -53,7 +53,8 @@ class FleetConfig:
     """replicas: one ServerConfig each (replica_configs); front: where HAProxy listens; workdir: the
     servers file, HAProxy's log and socket, one log per replica; policy: the HAProxy policy file;
     supervisor: each replica's SupervisorPolicy (poll_interval_s is also how soon a dead stub takes a
-    replica out); ready_timeout_s: seconds for every replica to be ready and UP in HAProxy."""
+    replica out); ready_timeout_s: seconds for every replica to be ready and UP in HAProxy; haproxy: the
+    haproxy executable (None: found on PATH or in /usr/sbin)."""
 
     replicas: tuple[ServerConfig, ...]
     front: FrontEnd
@@ -61,6 +62,7 @@ class FleetConfig:
     policy: Path = HAPROXY_CONFIG
     supervisor: SupervisorPolicy = SupervisorPolicy(poll_interval_s=0.2)
     ready_timeout_s: float = 300.0
+    haproxy: Path | None = None
 
 
 class Fleet:
@@ -81,7 +83,7 @@ class Fleet:
     def check(self) -> None:
         """HAProxy installed, its configuration valid, every port free and distinct: ConfigurationError
         (HAProxyError, PortBusyError) naming the first problem, before anything starts."""
-        haproxy_binary()
+        haproxy_binary(self.config.haproxy)
         front = self.config.front
         taken = [port for c in self.config.replicas for port in (c.http_port, c.grpc_port, c.metrics_port)]
         for flag, port in (("--http-port", front.http_port), ("--grpc-port", front.grpc_port)):
@@ -104,7 +106,7 @@ class Fleet:
                 raise PortBusyError(f"replica {index + 1}: {exc} (replicas use --replica-base-port and up)") from None
         self.config.workdir.mkdir(parents=True, exist_ok=True)
         self.servers_path.write_text(servers_file(list(self.config.replicas)))
-        check_config(self.config.policy, self.servers_path, front)
+        check_config(self.config.policy, self.servers_path, front, self.config.haproxy)
 
     @property
     def servers_path(self) -> Path:
@@ -131,7 +133,7 @@ class Fleet:
             if cancelled():
                 raise ServerStartError("stopped while starting")
             self.haproxy = HAProxyProcess(self.config.policy, self.servers_path, self.config.front,
-                                          self.config.workdir / "haproxy.log")
+                                          self.config.workdir / "haproxy.log", self.config.haproxy)
             self.haproxy.start()
             self.on_event(None, "ready", f"HAProxy pid {self.haproxy.process.pid}: HTTP {self.config.front.host}:"
                                          f"{self.config.front.http_port}, gRPC {self.config.front.host}:"
@@ -147,9 +149,14 @@ class Fleet:
         supervisor = Supervisor(self.config.replicas[index], self.config.supervisor,
                                 log_path=self.replica_log(index), on_event=self._replica_event(index))
         self.supervisors[index] = supervisor
-        supervisor.start(self.config.ready_timeout_s)
-        if supervisor.exit_status is not None:
-            raise ServerStartError(f"replica {index + 1} stopped while starting (status {supervisor.exit_status})")
+        try:
+            supervisor.start(self.config.ready_timeout_s + 5)
+        except ServerStartError:
+            failure = next((e.detail for e in reversed(supervisor.events) if e.kind in ("start-failed", "gave-up")),
+                           None)
+            reason = (failure or f"not ready within {self.config.ready_timeout_s:g} s").split("; server log tail:")[0]
+            error = ConfigurationError if supervisor.exit_status == 2 else ServerStartError
+            raise error(f"replica {index + 1}: {reason} (log: {self.replica_log(index)})") from None
 
     def _replica_event(self, index: int) -> Callable[[SupervisorEvent], None]:
         def on_event(event: SupervisorEvent) -> None:

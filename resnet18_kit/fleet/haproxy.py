@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import shutil
 import signal
 import socket
@@ -40,8 +41,13 @@ class HAProxyError(ConfigurationError):
     """HAProxy missing, its configuration invalid, or its front end not listening: one line, exit 2."""
 
 
-def haproxy_binary() -> Path:
-    """The haproxy executable (PATH, then Debian's /usr/sbin/haproxy); HAProxyError when there is none."""
+def haproxy_binary(given: Path | None = None) -> Path:
+    """The haproxy executable: `given` when set, else PATH, then Debian's /usr/sbin/haproxy; HAProxyError
+    when there is none (or `given` is not an executable file)."""
+    if given is not None:
+        if not (Path(given).is_file() and os.access(given, os.X_OK)):
+            raise HAProxyError(f"--haproxy {given}: not an executable file")
+        return Path(given)
     found = shutil.which("haproxy") or (str(DEBIAN_BINARY) if os.access(DEBIAN_BINARY, os.X_OK) else None)
     if found is None:
         raise HAProxyError("HAProxy is not installed (no haproxy on PATH or in /usr/sbin): `make setup` installs "
@@ -92,20 +98,22 @@ class FrontEnd:
 
 
 def first_alert(output: str) -> str:
-    """The first [ALERT] line of HAProxy's output without its prefix (the reason a config is refused)."""
+    """The first [ALERT] line of HAProxy's output without its "[ALERT] (pid) :" prefix (the reason a
+    configuration is refused, with its file and line), else the last line of output."""
     for line in output.splitlines():
-        if "[ALERT]" in line:
-            return line.split(":", 1)[-1].strip() if "] :" in line or "]:" in line else line.strip()
+        found = re.match(r"\s*\[ALERT\]\s*\(\d+\)\s*:\s*(.*)", line)
+        if found:
+            return found.group(1).strip()
     lines = [line for line in output.splitlines() if line.strip()]
     return lines[-1].strip() if lines else "no output"
 
 
-def check_config(policy: Path, servers: Path, front: FrontEnd) -> None:
+def check_config(policy: Path, servers: Path, front: FrontEnd, binary: Path | None = None) -> None:
     """`haproxy -c` on the two files with the front end's environment; HAProxyError naming the first
-    problem HAProxy reports (a missing file, an unknown keyword, a bad address)."""
+    problem HAProxy reports (a missing file, an unknown keyword, a bad address). binary: as haproxy_binary's."""
     if not policy.is_file():
         raise HAProxyError(f"HAProxy configuration {policy}: no such file")
-    result = subprocess.run([str(haproxy_binary()), "-c", "-f", str(policy), "-f", str(servers)],
+    result = subprocess.run([str(haproxy_binary(binary)), "-c", "-f", str(policy), "-f", str(servers)],
                             env=os.environ | front.environment(), capture_output=True, text=True)
     if result.returncode != 0:
         raise HAProxyError(f"HAProxy refuses {policy}: {first_alert(result.stdout + result.stderr)}")
@@ -152,16 +160,17 @@ class HAProxyProcess:
     """haproxy in the foreground (-db) with the policy and servers files; its log appended to `log_path`.
     Dies with this process (PR_SET_PDEATHSIG through setpriv, as the replicas' tritonservers)."""
 
-    def __init__(self, policy: Path, servers: Path, front: FrontEnd, log_path: Path):
+    def __init__(self, policy: Path, servers: Path, front: FrontEnd, log_path: Path, binary: Path | None = None):
         self.policy, self.servers, self.front, self.log_path = policy, servers, front, log_path
+        self.binary = binary
         self.process: subprocess.Popen | None = None
         self.api = RuntimeAPI(front.runtime_socket)
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Check the configuration (HAProxyError), start haproxy and wait until its runtime API answers;
         ServerStartError when it exits or does not answer within `timeout_s` seconds."""
-        check_config(self.policy, self.servers, self.front)
-        command = [str(haproxy_binary()), "-db", "-f", str(self.policy), "-f", str(self.servers)]
+        check_config(self.policy, self.servers, self.front, self.binary)
+        command = [str(haproxy_binary(self.binary)), "-db", "-f", str(self.policy), "-f", str(self.servers)]
         if shutil.which("setpriv"):
             command = ["setpriv", "--pdeathsig", "TERM", "--", *command]
         with open(self.log_path, "ab") as log:
