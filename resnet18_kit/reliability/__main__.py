@@ -12,6 +12,7 @@ docs/reliability.md (also written as JSON under <results>/reliability/<time>/):
     resnet18-kit reliability run --scenario burst --burst-requests 600
     resnet18-kit reliability run --scenario lifecycle              # the fault matrix, about 2 minutes
     resnet18-kit reliability run --scenario stops --stops 30       # `make serve` stopped 30 times
+    resnet18-kit reliability run --scenario fleet                  # replicas behind HAProxy, about 3 minutes
     resnet18-kit reliability soak                                  # 10 minutes at 80 % of capacity
     resnet18-kit reliability soak --minutes 1 --load 0.5
 
@@ -43,9 +44,10 @@ from resnet18_kit.settings import Settings, shown
 log = logging.getLogger(__name__)
 
 SCENARIOS = ("burst", "refusal", "timeout", "readiness", "bad-input", "stub-kill", "crash-request", "sigterm",
-             "security", "lifecycle", "stops")
-#: Run only when named: `make serve` started and stopped --stops times (about 12 s a round).
-ON_REQUEST = ("stops",)
+             "security", "lifecycle", "stops", "fleet")
+#: Run only when named: `make serve` started and stopped --stops times (about 12 s a round); the fleet's
+#: scenarios (about 3 minutes: fleets of 2 and 3 replicas behind HAProxy, reliability.fleet_scenarios).
+ON_REQUEST = ("stops", "fleet")
 #: The scenarios that share one server of the shipped models and the reliability models.
 ON_ONE_SERVER = ("burst", "refusal", "timeout", "readiness", "bad-input")
 
@@ -102,9 +104,10 @@ def run_faults(repository: Path, args, out_dir: Path, rows: list, record: dict) 
         rows.append(restricted_api.table_row(record["security"]))
 
 
-def run_lifecycle(args, out_dir: Path, record: dict) -> list[str]:
-    """The fault matrix (reliability.lifecycle) and the repeated stops, those `args.scenario` names;
-    their Markdown tables (the columns differ from the main table's)."""
+def run_lifecycle(repository: Path, args, out_dir: Path, record: dict) -> list[str]:
+    """The fault matrix (reliability.lifecycle), the repeated stops and the fleet's scenarios (on the model
+    repository `repository`), those `args.scenario` names; their Markdown tables (the columns differ from
+    the main table's)."""
     tables = []
     if "lifecycle" in args.scenario:
         matrix = []
@@ -121,6 +124,12 @@ def run_lifecycle(args, out_dir: Path, record: dict) -> list[str]:
                       f"rounds: {result['hangs']} hung; serve's exit statuses {result['serve_statuses']}; "
                       f"exit after {result['exit_s']} s; left running: {result['left_running'] or 'none'}; "
                       f"/dev/shm regions {result['shm_before']} -> {result['shm_after']}")
+    if "fleet" in args.scenario:
+        from resnet18_kit.reliability import fleet_scenarios
+
+        results = fleet_scenarios.run_all(repository, out_dir / "fleet")
+        record["fleet"] = results
+        tables.append(markdown_table([fleet_scenarios.table_cells(r) for r in results], fleet_scenarios.FLEET_COLUMNS))
     return tables
 
 
@@ -189,7 +198,7 @@ def run_scenarios(repository: Path, out: Path, args: argparse.Namespace) -> int:
         with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver.log") as server:
             run_on_one_server(config, server, args, rows, record)
     run_faults(repository, args, out_dir, rows, record)
-    extra_tables = run_lifecycle(args, out_dir, record)
+    extra_tables = run_lifecycle(repository, args, out_dir, record)
     record["cpu_steal_share"] = round(cpu_share(ticks_before, cpu_ticks())["steal"], 3)
     table = "\n\n".join(([markdown_table(rows)] if rows else []) + extra_tables)
     record["table"] = table

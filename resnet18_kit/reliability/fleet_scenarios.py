@@ -53,14 +53,16 @@ def identity_load(count: int = 16) -> TensorLoad:
     return TensorLoad(IDENTITY_MODEL, "INPUT", "OUTPUT", "FP32", inputs, [x.copy() for x in inputs])
 
 
-def fleet_config(repository: Path, workdir: Path, replicas: int, **options) -> FleetConfig:
+def fleet_config(repository: Path, workdir: Path, replicas: int, take_out_on_fault: bool = True,
+                 **options) -> FleetConfig:
     """A FleetConfig of `replicas` replicas of `repository` and both front ends on free ports, files in
     `workdir`, a 10 s exit timeout per replica; `options` go to ServerConfig."""
     ports = free_ports(3 * replicas + 2)
     configs = tuple(ServerConfig(model_repository=repository, http_port=ports[3 * i], grpc_port=ports[3 * i + 1],
                                  metrics_port=ports[3 * i + 2], exit_timeout_s=10, **options) for i in range(replicas))
     front = FrontEnd("127.0.0.1", ports[-2], ports[-1], workdir / "haproxy.sock")
-    return FleetConfig(configs, front, workdir, supervisor=SupervisorPolicy(poll_interval_s=0.2, queue_warnings=False))
+    return FleetConfig(configs, front, workdir, supervisor=SupervisorPolicy(poll_interval_s=0.2, queue_warnings=False),
+                       take_out_on_fault=take_out_on_fault)
 
 
 def counts(fleet: Fleet, model: str) -> list[float]:
@@ -132,8 +134,10 @@ def rolling_restart(repository: Path, workdir: Path, replicas: int = 3) -> list[
         steps, tallies, share = under_load(fleet, identity_load(), lambda f: f.roll())
         took = time.monotonic() - started
         stops = ", ".join(f"{s['stop_s']:.1f}" for s in steps)
+        retried = sum(t.retried for t in tallies)
         return both_rows("rolling restart", fleet, tallies, share,
-                         f"{replicas} replicas restarted one by one in {took:.0f} s (stops {stops} s)")
+                         f"{replicas} replicas restarted one by one in {took:.0f} s (stops {stops} s); "
+                         f"clients retried {retried} requests")
 
 
 def watch_pool(fleet: Fleet, index: int, timeout_s: float = 120.0) -> dict:
@@ -151,17 +155,20 @@ def watch_pool(fleet: Fleet, index: int, timeout_s: float = 120.0) -> dict:
 
 
 def replica_killed(repository: Path, workdir: Path, replicas: int = 3) -> list[dict]:
-    """SIGKILL one replica's tritonserver under load: when HAProxy stops sending to it, when it is back
-    (its supervisor restarts it), and what the clients saw (they retry 502/503/UNAVAILABLE)."""
+    """SIGKILL one replica's tritonserver under load: when HAProxy's own check takes it out (the fleet's
+    reaction to its supervisor is off here, so the check is what is measured), when it is back (its
+    supervisor restarts it, two good checks), and what the clients saw (they retry 502/503/UNAVAILABLE)."""
     def kill(fleet: Fleet) -> dict:
         fleet.supervisors[1].server.process.kill()
         return watch_pool(fleet, 1)
 
-    with Fleet(fleet_config(repository, workdir, replicas)) as fleet:
+    with Fleet(fleet_config(repository, workdir, replicas, take_out_on_fault=False)) as fleet:
         seen, tallies, share = under_load(fleet, identity_load(), kill)
+        retried = sum(t.retried for t in tallies)
         return both_rows("replica SIGKILLed", fleet, tallies, share,
-                         f"out of the pool {seen['left_s'] * 1000:.0f} ms after the kill as {seen['how']}; "
-                         f"UP again after {seen['back_s'] or float('nan'):.1f} s; check every 500 ms")
+                         f"out of the pool {seen['left_s'] * 1000:.0f} ms after the kill as {seen['how']} "
+                         f"(check every 500 ms); UP again after {seen['back_s'] or float('nan'):.1f} s; "
+                         f"clients retried {retried} requests")
 
 
 def stub_killed(repository: Path, workdir: Path, replicas: int = 3) -> list[dict]:
@@ -178,9 +185,11 @@ def stub_killed(repository: Path, workdir: Path, replicas: int = 3) -> list[dict
     with Fleet(fleet_config(repository, workdir, replicas)) as fleet:
         seen, tallies, share = under_load(fleet, identity_load(), kill, retry_dead_stub=True)
         dead = sum(len(t.tries.get("dead-stub", [])) for t in tallies)
+        retried = sum(t.retried for t in tallies)
         return both_rows("stub SIGKILLed", fleet, tallies, share,
                          f"out of the pool {seen['left_s'] * 1000:.0f} ms after the kill as {seen['how']}; UP again "
-                         f"after {seen['back_s'] or float('nan'):.1f} s; {dead} tries answered 'not healthy', retried")
+                         f"after {seen['back_s'] or float('nan'):.1f} s; clients retried {retried} requests "
+                         f"({dead} tries answered 'not healthy')")
 
 
 def overload(repository: Path, workdir: Path, replicas: int = 2, senders: int = 48, seconds: float = 6.0) -> dict:
@@ -215,3 +224,24 @@ def ensemble(repository: Path, workdir: Path, replicas: int = 2, requests: int =
         share = shares(before, counts(fleet, load.model))
         return both_rows("resnet18 ensemble, photos", fleet, tallies, share,
                          f"answers equal to a lone replica's; {requests} requests")
+
+
+def run_all(shipped: Path, workdir: Path, requests: int = 600) -> list[dict]:
+    """Every scenario in the order of the table: even spread (N = 2, 3; HTTP, gRPC; `requests` each),
+    rolling restart, replica SIGKILLed, stub SIGKILLed, overload (light models), then the ensemble of the
+    shipped repository `shipped`. Each fleet's files in its own folder under `workdir`."""
+    light = light_repository(workdir / "models")
+    rows = [spread(light, workdir / f"spread-{n}-{p}", n, p, requests) for n in (2, 3) for p in ("http", "grpc")]
+    rows += rolling_restart(light, workdir / "rolling-restart")
+    rows += replica_killed(light, workdir / "replica-killed")
+    rows += stub_killed(light, workdir / "stub-killed")
+    rows.append(overload(light, workdir / "overload"))
+    rows += ensemble(shipped, workdir / "ensemble")
+    return rows
+
+
+def table_cells(result: dict) -> list:
+    """A row of run_all as the cells of FLEET_COLUMNS."""
+    share = " / ".join(f"{s:.1%}" for s in result["share"])
+    return [result["case"], result["replicas"], result["protocol"], result["sent"], result["answered"],
+            result["refused"], result["failed"], result["lost"], share, result["also"]]
