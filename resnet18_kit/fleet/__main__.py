@@ -147,7 +147,13 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
                 say("every replica's supervisor gave up; stopping")
                 status = 1
                 break
-        status = max(status, fleet.stop())
+        statuses: list[int] = []
+        stopper = threading.Thread(target=lambda: statuses.append(fleet.stop()), name="fleet-stop")
+        stopper.start()
+        while stopper.is_alive():  # signals during the stop are still read (and told: "already stopping")
+            stop.poll()
+            stopper.join(0.2)
+        status = max([status, *statuses]) if statuses else 1
     say(f"exiting with status {status}")
     return status
 

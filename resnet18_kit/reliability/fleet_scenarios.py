@@ -103,14 +103,58 @@ def spread(repository: Path, workdir: Path, replicas: int, protocol: str, reques
                    f"largest gap from an even share {spread_error(share):.1%}")
 
 
+class CountWatch:
+    """Each replica's nv_inference_count of `model`, read every `interval_s` on a thread and summed as
+    increments, so that a replica restarted meanwhile (its counter starts again from 0) keeps what it
+    counted before: a fall is taken as a restart, and the new value as its increment. What a replica
+    counted between the last read and its death is missed (under `interval_s` of its traffic)."""
+
+    def __init__(self, fleet: Fleet, model: str, interval_s: float = 0.2):
+        import threading
+
+        self.fleet, self.model, self.interval_s = fleet, model, interval_s
+        self.totals = [0.0] * len(fleet.config.replicas)
+        self._last: list[float | None] = [None] * len(fleet.config.replicas)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="count-watch", daemon=True)
+
+    def read(self) -> None:
+        for i, config in enumerate(self.fleet.config.replicas):
+            try:
+                value = model_counters(config.metrics_url, self.model, timeout_s=1.0).get("nv_inference_count", 0.0)
+            except OSError:  # down or restarting: read it next time
+                continue
+            last = self._last[i]
+            if last is not None:
+                self.totals[i] += value - last if value >= last else value
+            self._last[i] = value
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.read()
+
+    def __enter__(self) -> "CountWatch":
+        self.read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.read()
+
+    def shares(self) -> list[float]:
+        return shares([0.0] * len(self.totals), self.totals)
+
+
 def under_load(fleet: Fleet, load: TensorLoad, action, seconds_before_s: float = 2.0, seconds_after_s: float = 2.0,
                retry_dead_stub: bool = False) -> tuple[dict, list[Tally], list[float]]:
     """Run `action(fleet)` (its return value first in the result) while HTTP (one connection) and gRPC
     (four calls on one channel) load runs, from `seconds_before_s` before to `seconds_after_s` after it;
-    returns (action's result, [http tally, grpc tally], shares)."""
+    returns (action's result, [http tally, grpc tally], each replica's share counted by a CountWatch)."""
     front = fleet.config.front.server_config()
-    before = counts(fleet, load.model)
-    with ExitStack() as stack:
+    watch = CountWatch(fleet, load.model)
+    with watch, ExitStack() as stack:
         loads = [stack.enter_context(FleetLoad(front, p, load, workers=w, retry_dead_stub=retry_dead_stub,
                                                pause_s=0.002))
                  for p, w in (("http", 1), ("grpc", 4))]
@@ -118,8 +162,9 @@ def under_load(fleet: Fleet, load: TensorLoad, action, seconds_before_s: float =
         result = action(fleet)
         time.sleep(seconds_after_s)
         tallies = [lo.stop() for lo in loads]
-    fleet.wait_status(0, "UP", 60)  # counts settle: every replica answers its metrics
-    return result, tallies, shares(before, counts(fleet, load.model))
+        for index in range(len(fleet.config.replicas)):  # every replica back, so its last count is read
+            fleet.wait_status(index, "UP", 60)
+    return result, tallies, watch.shares()
 
 
 def both_rows(case: str, fleet: Fleet, tallies: list[Tally], share: list[float], also: str) -> list[dict]:
