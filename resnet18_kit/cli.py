@@ -38,6 +38,8 @@ COMMANDS = {
     "reliability": ("resnet18_kit.reliability.__main__", "bench",
                     "overload, faults and shutdown against the real server, every request accounted for"),
     "plan": ("resnet18_kit.planner.__main__", "bench", "capacity planner: profile, plan, validate"),
+    "model-analyzer": ("resnet18_kit.bench.model_analyzer", "bench",
+                       "Triton Model Analyzer 1.58 (its own venv) on this repository and the embedded server"),
     "figures": ("resnet18_kit.bench.figures", "bench", "the figures of docs/ from the newest results"),
     "perf-analyzer": ("resnet18_kit.load.perf_analyzer", "bench",
                       "the bundled perf_analyzer 2.51 with its library path set; arguments passed through"),

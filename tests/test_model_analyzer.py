@@ -1,0 +1,60 @@
+"""resnet18-kit model-analyzer: Triton Model Analyzer 1.58 in its own venv, against the embedded server.
+
+One short profile proves the integration (resnet18_onnx's shipped config at one concurrency, about 30 s
+once Model Analyzer is installed; the first run installs it, about 40 s); the bad inputs are one line each.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from resnet18_kit.bench.model_analyzer import DEFAULT_VENV, VERSION, installed_version
+from resnet18_kit.server.resources import python_backend_regions
+
+KIT = Path(sys.executable).parent / "resnet18-kit"
+
+
+def kit(*args: str, cwd: Path, timeout_s: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([str(KIT), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_model_analyzer_profiles_the_network_on_the_embedded_server(tmp_path):
+    regions_before = set(python_backend_regions())
+    result = kit("model-analyzer", "--quick", "--models", "resnet18_onnx", "--out", str(tmp_path / "ma"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert installed_version(DEFAULT_VENV) == VERSION
+    print("\n" + result.stdout, flush=True)
+    (row,) = [line for line in result.stdout.splitlines() if line.startswith("| resnet18_onnx ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "resnet18_onnx_config_default" and cells[4] == "4", row
+    assert float(cells[5]) > 0 and float(cells[6]) > 0, row  # infer/s and p99 measured
+    reports = tmp_path / "ma" / "resnet18_onnx" / "export" / "reports"
+    assert (reports / "detailed" / "resnet18_onnx_config_default").is_dir(), sorted(reports.rglob("*"))
+    assert (reports / "summaries" / "resnet18_onnx").is_dir()
+    assert set(python_backend_regions()) <= regions_before
+
+
+def test_a_missing_install_is_one_line(tmp_path):
+    result = kit("model-analyzer", "--no-install", "--venv", str(tmp_path / "nothing"), cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "no Model Analyzer" in line and "--no-install" in line, line
+
+
+def test_an_unknown_model_is_one_line(tmp_path):
+    result = kit("model-analyzer", "--models", "resnet99", cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "resnet99" in line, line
+
+
+def test_a_config_model_analyzer_cannot_load_is_one_line(tmp_path):
+    repository = tmp_path / "models"
+    (repository / "broken" / "1").mkdir(parents=True)
+    (repository / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "python"\nmax_batch_size: [\n')
+    result = kit("--model-repository", str(repository), "model-analyzer", "--quick", "--models", "broken",
+                 "--out", str(tmp_path / "ma"), cwd=tmp_path, timeout_s=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "broken/config.pbtxt is not a model config Triton can load" in line, line
