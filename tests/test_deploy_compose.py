@@ -6,6 +6,8 @@
   and the Dockerfile installs the pins for that release's Python.
 * The monitoring profile: Prometheus with deploy/prometheus/ (checked by promtool as mounted) and
   Grafana with the dashboard and its provisioning.
+* The fleet profile: three replicas of `triton` (one GPU each) behind the official HAProxy image with
+  deploy/haproxy/ (checked by `haproxy -c` as mounted).
 
 Cross-checks with Kubernetes and the release's flags: tests/test_deploy_release.py. The tools are
 installed by scripts/setup_deploy_tools.sh (run by `make setup`); a missing tool fails.
@@ -46,7 +48,12 @@ COMPOSE_PARSERS = {
     "compose-2.40": VENV_BIN / "docker-compose-v2",
 }
 PROMTOOL = Path("/usr/bin/promtool")
-PROFILES = ("perf", "monitoring")
+HAPROXY = Path("/usr/sbin/haproxy")
+HAPROXY_POLICY = DEPLOY / "haproxy" / "haproxy.cfg"
+HAPROXY_COMPOSE_SERVERS = DEPLOY / "haproxy" / "servers-compose.cfg"
+FLEET_REPLICAS = ("triton-1", "triton-2", "triton-3")
+HAPROXY_ENV = {"FLEET_HTTP_BIND": ":8000", "FLEET_GRPC_BIND": ":8001", "FLEET_RUNTIME_SOCKET": "/tmp/haproxy-test.sock"}
+PROFILES = ("perf", "monitoring", "fleet")
 
 
 def tool(path: Path) -> str:
@@ -140,7 +147,7 @@ def test_compose_parsers_reject_an_invalid_file(compose_parser, tmp_path):
 
 
 def test_compose_services(compose):
-    assert set(compose) == {"check-artifacts", "triton", "perf", "prometheus", "grafana"}
+    assert set(compose) == {"check-artifacts", "triton", "perf", "prometheus", "grafana", "haproxy", *FLEET_REPLICAS}
     triton, check, perf = compose["triton"], compose["check-artifacts"], compose["perf"]
     assert Path(triton["build"]["context"]) == DOCKERFILE.parent
     assert triton["depends_on"]["check-artifacts"]["condition"] == "service_completed_successfully"
@@ -173,8 +180,9 @@ def test_compose_requires_the_admin_key(compose_parser):
 def test_compose_config_variant_and_address_from_the_environment(compose_parser, name):
     services = rendered_compose(compose_parser, TRITON_MODEL_CONFIG_NAME=name,
                                 TRITON_PUBLISH_ADDRESS="0.0.0.0")["services"]
-    assert flag_value(services["triton"]["command"], "--model-config-name") == [name]
-    for service in ("triton", "prometheus", "grafana"):
+    for service in ("triton", *FLEET_REPLICAS):
+        assert flag_value(services[service]["command"], "--model-config-name") == [name], service
+    for service in ("triton", "prometheus", "grafana", "haproxy"):
         assert {host for host, _, _ in ports(services[service])} == {"0.0.0.0"}, service
 
 
@@ -309,3 +317,72 @@ def test_grafana_gets_the_dashboard_and_the_prometheus_data_source(compose):
     assert Path(home).parent == Path(provider["options"]["path"]) and (dashboards / Path(home).name).is_file()
     dashboard = json.loads((dashboards / "triton.json").read_text())
     assert dashboard["uid"] and dashboard["panels"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fleet profile
+
+
+def test_fleet_replicas_are_triton_on_a_gpu_each_and_publish_nothing(compose):
+    triton = compose["triton"]
+    gpus = []
+    for name in FLEET_REPLICAS:
+        replica = compose[name]
+        assert replica["profiles"] == ["fleet"], name
+        assert replica["command"] == triton["command"] and replica["image"] == triton["image"], name
+        assert volumes(replica) == volumes(triton) and replica["shm_size"] == triton["shm_size"], name
+        assert replica["healthcheck"] == triton["healthcheck"], name
+        assert not replica.get("ports"), name  # only HAProxy publishes
+        (device,) = replica["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], name
+        gpus += device["device_ids"]
+    assert sorted(gpus) == ["0", "1", "2"]
+
+
+def test_fleet_haproxy_mounts_the_policy_and_the_servers_and_publishes_the_front_ends(compose):
+    haproxy = compose["haproxy"]
+    assert haproxy["profiles"] == ["fleet"]
+    image, _, tag = haproxy["image"].partition(":")
+    assert image == "haproxy" and re.fullmatch(r"2\.6\.\d+", tag), haproxy["image"]
+    policy = mounted_source(haproxy, "/usr/local/etc/haproxy/haproxy.cfg")
+    servers = mounted_source(haproxy, "/usr/local/etc/haproxy/servers.cfg")
+    assert (policy, servers) == (HAPROXY_POLICY, HAPROXY_COMPOSE_SERVERS)
+    assert haproxy["command"] == ["-f", "/usr/local/etc/haproxy/haproxy.cfg", "-f", "/usr/local/etc/haproxy/servers.cfg"]
+    assert ports(haproxy) == {("127.0.0.1", 8000, 8000), ("127.0.0.1", 8001, 8001)}
+    assert {k: haproxy["environment"][k] for k in HAPROXY_ENV if k != "FLEET_RUNTIME_SOCKET"} == {
+        "FLEET_HTTP_BIND": ":8000", "FLEET_GRPC_BIND": ":8001"}
+    depends = haproxy["depends_on"]
+    assert set(depends) == set(FLEET_REPLICAS)
+
+
+def test_fleet_servers_file_names_every_replica_in_both_backends(compose):
+    text = HAPROXY_COMPOSE_SERVERS.read_text()
+    replicas = sorted(name for name, service in compose.items() if "fleet" in service.get("profiles", [])
+                      and name != "haproxy")
+    assert replicas == sorted(FLEET_REPLICAS)
+    for backend, port in (("triton_http", 8000), ("triton_grpc", 8001)):
+        section = text.split(f"backend {backend} from replicas")[1].split("\nbackend ")[0]
+        addresses = re.findall(r"server \S+ (\S+):(\d+) ", section)
+        assert sorted(host for host, _ in addresses) == replicas, (backend, addresses)
+        assert {int(p) for _, p in addresses} == {port}, (backend, addresses)
+        assert section.count("check") >= len(replicas), backend
+
+
+def haproxy_check(*files: Path) -> subprocess.CompletedProcess:
+    cmd = [tool(HAPROXY), "-c"]
+    for path in files:
+        cmd += ["-f", str(path)]
+    return run(cmd, env={**os.environ, **HAPROXY_ENV})
+
+
+def test_fleet_configuration_passes_haproxy_check():
+    result = haproxy_check(HAPROXY_POLICY, HAPROXY_COMPOSE_SERVERS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Configuration file is valid" in result.stdout
+
+
+def test_haproxy_check_catches_a_broken_servers_file(tmp_path):
+    broken = tmp_path / "servers.cfg"
+    broken.write_text(HAPROXY_COMPOSE_SERVERS.read_text().replace("check-proto h1", "check-proto h9"))
+    result = haproxy_check(HAPROXY_POLICY, broken)
+    assert result.returncode != 0 and "h9" in result.stdout + result.stderr
