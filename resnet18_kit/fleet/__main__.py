@@ -44,12 +44,18 @@ DEFAULT_REPLICA_BASE_PORT = 8100
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The fleet's options: replicas and their ports, the front ends, the HAProxy policy file, the
-    replicas' server options (as serve's)."""
-    from resnet18_kit.server.__main__ import add_server_arguments
-
-    add_server_arguments(parser)  # --host, --http-port, --grpc-port (the front ends here), --metrics-port unused
-    parser.set_defaults(exit_timeout_s=10)
+    """The fleet's options: the front ends, the replicas and their ports, the HAProxy policy file and
+    executable, and the replicas' server options (as serve's)."""
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address HAProxy and the replicas listen on (default 127.0.0.1: this machine only; "
+                             "any other address needs the admin key in $TRITON_ADMIN_KEY)")
+    parser.add_argument("--http-port", type=int, default=8000, help="HAProxy's HTTP front end (default 8000)")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="HAProxy's gRPC front end (default 8001)")
+    parser.add_argument("--model-config-name", help="every replica loads <model>/configs/<NAME>.pbtxt where present")
+    parser.add_argument("--exit-timeout-s", type=int, default=10,
+                        help="seconds a stopping replica gives its in-flight requests (default 10)")
+    parser.add_argument("--log-verbose", type=int, default=0, help="the replicas' tritonserver --log-verbose (default 0)")
+    parser.set_defaults(metrics_port=2)  # each replica's own: --replica-base-port + 2 + 10 (i - 1)
     parser.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS,
                         help=f"how many tritonservers (default {DEFAULT_REPLICAS})")
     parser.add_argument("--replica-base-port", type=int, default=DEFAULT_REPLICA_BASE_PORT,
