@@ -280,3 +280,16 @@ def test_trace_loads_text_and_perf_analyzer_export(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(export))
     assert Trace.load(tmp_path / "p.json").times_s.tolist() == [0.0, 0.25, 0.5]
     assert len(trace.arrivals(10, replicas=2)) == 10  # replayed as often as needed
+
+
+def test_the_gpu_rows_are_on_paper_and_follow_the_published_figure():
+    from resnet18_kit.planner.scale import A100_RESNET50, GFLOPS, gpu_rows_on_paper
+
+    rows = gpu_rows_on_paper((1_000, 20_000, 1_000_000), ceiling_rps=6_614)
+    per_gpu = A100_RESNET50.infer_per_s * GFLOPS["resnet50"] / GFLOPS["resnet18"]
+    assert 13_000 < per_gpu < 14_500  # 6,127 x 4.09 / 1.81
+    replicas = [int(row.split("|")[4].strip().replace(",", "")) for row in rows[:3]]
+    assert replicas == [1, 2, 73]
+    assert all("NOT MEASURED" in row and "front end" in row for row in rows[:3])
+    assert "DeepLearningExamples" in rows[-1] and "not measured here" in rows[-1]
+    assert "GPU compute" in gpu_rows_on_paper((1_000,), ceiling_rps=20_000)[0]

@@ -10,6 +10,7 @@ the assumption used to size it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from resnet18_kit.planner.batcher import BatcherConfig
@@ -58,10 +59,52 @@ def scale_rows(profile: Profile, slo: Slo, targets: tuple[float, ...] = TARGETS_
     return rows
 
 
+@dataclass(frozen=True)
+class PublishedFigure:
+    """A throughput published by someone else, for a GPU row on paper (never measured here)."""
+
+    device: str
+    setup: str
+    infer_per_s: float
+    p99_ms: float
+    source: str
+
+
+#: NVIDIA's own Triton measurement of ResNet-50 v1.5 on one A100 (DeepLearningExamples,
+#: PyTorch/Classification/ConvNets/triton/resnet50/README.md, "Online: NVIDIA DGX A100 (1x A100 80GB), ONNX
+#: Runtime TensorRT with FP16", 256 concurrent client requests).
+A100_RESNET50 = PublishedFigure(
+    "NVIDIA A100 80GB", "ResNet-50 v1.5, ONNX Runtime + TensorRT FP16, Triton dynamic batching (max batch 128, "
+    "preferred 64 and 128, 1 ms delay, 1 instance), 256 requests in flight", 6127.3, 46.5,
+    "NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/triton/resnet50/README.md")
+#: GFLOPS per 224x224 image, torchvision's model documentation (resnet18: 1.81, resnet50: 4.09).
+GFLOPS = {"resnet18": 1.81, "resnet50": 4.09}
+
+
+def gpu_rows_on_paper(targets: tuple[float, ...] = TARGETS_RPS, figure: PublishedFigure = A100_RESNET50,
+                      ceiling_rps: float = 0.0) -> list[str]:
+    """Rows of the scale table for a GPU, from `figure`, NOT measured here: ResNet-50's throughput scaled
+    to ResNet-18 by FLOPs (4.09 / 1.81 = 2.26x; an upper bound: a smaller network keeps a GPU less busy
+    per request, and the front end's per-request cost does not shrink), replicas = ceil(target / that),
+    at 100 % (add headroom); then a line naming the source. `ceiling_rps`: the server ceiling measured here
+    (req/s), set beside the rate each GPU replica's front end must carry."""
+    scaled = figure.infer_per_s * GFLOPS["resnet50"] / GFLOPS["resnet18"]
+    label = f"resnet18 on {figure.device} (NOT MEASURED: published ResNet-50 figure x {GFLOPS['resnet50'] / GFLOPS['resnet18']:.2f} by FLOPs)"
+    binds = ("Triton's front end, unless the host gives it the cores (the ceiling measured here is per 2 cores)"
+             if ceiling_rps and ceiling_rps < scaled else "GPU compute")
+    rows = [f"| {label} | {t:,.0f} | p99 ~{figure.p99_ms:.0f} ms (ResNet-50's) | {math.ceil(t / scaled):,} | 1 "
+            f"| max batch 128, delay 1 ms | - | {scaled:,.0f} / {ceiling_rps:,.0f} | {binds} |" for t in targets]
+    return rows + [f"\nGPU rows: from {figure.infer_per_s:,.0f} infer/s at p99 {figure.p99_ms:.1f} ms, {figure.setup} "
+                   f"({figure.source}); not measured here."]
+
+
 def format_rows(rows: list[ScaleRow]) -> str:
+    """The scale table (Markdown) of `rows`, then the GPU rows on paper (gpu_rows_on_paper)."""
     lines = ["| model | target infer/s | SLO | replicas (1 device each) | instances | batcher | predicted p99 ms "
              "| per-replica compute / server ceiling | binds first |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.model} | {r.target_rps:,.0f} | {r.slo.describe()} | {r.replicas:,} | {r.instances} "
                      f"| {r.batcher} | {r.p99_ms:,.1f} | {r.compute_rps:,.0f} / {r.ceiling_rps:,.0f} | {r.binding} |")
-    return "\n".join(lines)
+    targets = tuple(sorted({r.target_rps for r in rows})) or TARGETS_RPS
+    ceiling = max((r.ceiling_rps for r in rows if r.ceiling_rps), default=0.0)
+    return "\n".join(lines + gpu_rows_on_paper(targets, ceiling_rps=ceiling))
