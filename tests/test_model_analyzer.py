@@ -21,8 +21,12 @@ def kit(*args: str, cwd: Path, timeout_s: float = 900) -> subprocess.CompletedPr
 
 def test_model_analyzer_profiles_the_network_on_the_embedded_server(tmp_path):
     regions_before = set(python_backend_regions())
-    result = kit("model-analyzer", "--quick", "--models", "resnet18_onnx", "--out", str(tmp_path / "ma"), cwd=tmp_path)
+    # A budget no measurement misses: the report of the one config must exist; the constraint reaches
+    # Model Analyzer's config.
+    result = kit("model-analyzer", "--quick", "--models", "resnet18_onnx", "--p99-ms", "resnet18_onnx=60000",
+                 "--out", str(tmp_path / "ma"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "perf_latency_p99:\n      max: 60000" in (tmp_path / "ma" / "resnet18_onnx" / "profile.yaml").read_text()
     assert installed_version(DEFAULT_VENV) == VERSION
     print("\n" + result.stdout, flush=True)
     (row,) = [line for line in result.stdout.splitlines() if line.startswith("| resnet18_onnx ")]
@@ -58,3 +62,28 @@ def test_a_config_model_analyzer_cannot_load_is_one_line(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "broken/config.pbtxt is not a model config Triton can load" in line, line
+
+
+def test_the_best_config_is_the_highest_throughput_within_the_p99_budget():
+    """Model Analyzer's rows: the 300 ms row is faster but outside a 200 ms budget, so the 100 ms row wins;
+    a model whose rows all miss the budget has no best config and is named in the summary."""
+    from resnet18_kit.bench.model_analyzer import best_configs, format_summary
+
+    def row(model, config, concurrency, throughput, p99):
+        return {"Model": model, "Model Config Path": config, "Instance Group": "1:CPU", "Max Batch Size": "8",
+                "Concurrency": concurrency, "Throughput (infer/sec)": throughput, "p99 Latency (ms)": p99}
+
+    rows = [row("a", "a_config_0", "4", "40.0", "100.0"), row("a", "a_config_1", "16", "55.0", "300.0"),
+            row("b", "b_config_0", "4", "30.0", "900.0")]
+    assert best_configs(rows) == {"a": "a_config_1", "b": "b_config_0"}
+    assert best_configs(rows, {"a": 200.0, "b": 500.0}) == {"a": "a_config_0"}
+    text = format_summary(rows, {"a": "a_config_0", "b": None}, {"a": 1.0, "b": 1.0}, {"a": 200.0, "b": 500.0})
+    marked = [line for line in text.splitlines() if line.endswith("| yes |")]
+    assert len(marked) == 1 and "a_config_0 | 1:CPU | 8 | 4 | 40.0" in marked[0]
+    assert "b: no measurement met its p99 budget" in text
+
+
+def test_a_malformed_budget_is_one_line(tmp_path):
+    result = kit("model-analyzer", "--p99-ms", "resnet18_onnx=fast", cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2
+    assert "resnet18_onnx=fast" in result.stderr and "Traceback" not in result.stderr

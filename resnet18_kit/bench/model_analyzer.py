@@ -15,10 +15,14 @@ The search (Model Analyzer's manual search: its automatic search skips max_batch
 measures nothing else for these Python-backend models), per model:
   resnet18_onnx  instance count 1, 2 (each asks the rate limiter for both cores, as the shipped config);
                  max_batch_size 8, 16 with that size preferred; max_queue_delay 0, 5000 us;
-                 concurrency 4, 16; random FP32 tensors
-  resnet18       the ensemble as one model, its steps as configured; concurrency 4, 16; the sample
+                 concurrency 4, 8, 16; random FP32 tensors
+  resnet18       the ensemble as one model, its steps as configured; concurrency 4, 8, 16; the sample
                  photos as BYTES input data (resnet18-kit perf-analyzer --photos-input-data)
 --quick: the shipped config of each model at concurrency 4 only (about 30 s a model).
+
+The SLO (--p99-ms, Model Analyzer's `constraints: perf_latency_p99: max`): a measurement whose p99 latency
+is above the model's budget does not count; the best config is the highest throughput within it. Defaults:
+resnet18_onnx 200 ms (tensors in, as a gateway that preprocesses would send), resnet18 500 ms (photos in).
 
 Files: <out>/profile.yaml, <out>/export/ (Model Analyzer's results/metrics-model-inference.csv and
 reports/), <out>/model-analyzer.log. Exit status: 0; 2 for a missing or broken install with --no-install, a
@@ -44,7 +48,9 @@ CONSTRAINTS = REPO_ROOT / "constraints-model-analyzer.txt"
 DEFAULT_VENV = REPO_ROOT / ".venv-model-analyzer"
 RESULTS_NAME = "model-analyzer"
 MODELS = (ONNX_MODEL, ENSEMBLE_MODEL)
-CONCURRENCY = (4, 16)
+CONCURRENCY = (4, 8, 16)
+#: p99 budget (ms) per model: Model Analyzer's perf_latency_p99 constraint (module doc).
+P99_BUDGET_MS = {ONNX_MODEL: 200.0, ENSEMBLE_MODEL: 500.0}
 QUICK_CONCURRENCY = (4,)
 
 
@@ -61,6 +67,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-install", action="store_true",
                         help="use the venv as it is; a missing or different install is an error")
     parser.add_argument("--out", type=Path, help=f"folder for the run (default <results>/{RESULTS_NAME}/<time>)")
+    parser.add_argument("--p99-ms", nargs="+", default=[], metavar="MODEL=MS", type=budget,
+                        help="p99 latency budget of a model in ms (default: "
+                             + ", ".join(f"{m}={ms:g}" for m, ms in P99_BUDGET_MS.items()) + ")")
+
+
+def budget(text: str) -> tuple[str, float]:
+    """'MODEL=MS' -> (model, ms); argparse turns the ValueError into one line and exit status 2."""
+    model, _, ms = text.partition("=")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = -1.0
+    if not model or not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: want MODEL=MS with MS > 0, e.g. resnet18_onnx=200")
+    return model, value
 
 
 def installed_version(venv: Path) -> str | None:
@@ -104,11 +125,14 @@ def ensure_installed(venv: Path, install: bool) -> Path:
     return venv / "bin" / "model-analyzer"
 
 
-def search(model: str, quick: bool) -> dict:
-    """The profile_models entry of `model`: CPU only, the concurrencies, its manual search (module doc) and
-    its perf_analyzer flags (the photos' input data for the ensemble, filled in by write_config)."""
+def search(model: str, quick: bool, p99_ms: float | None = None) -> dict:
+    """The profile_models entry of `model`: CPU only, the concurrencies, its manual search (module doc), its
+    p99 constraint (ms) and its perf_analyzer flags (the photos' input data for the ensemble, filled in by
+    write_config)."""
     entry: dict = {"cpu_only": True, "parameters": {"concurrency": list(QUICK_CONCURRENCY if quick else CONCURRENCY),
                                                    "batch_sizes": [1]}}
+    if p99_ms:
+        entry["constraints"] = {"perf_latency_p99": {"max": int(p99_ms)}}
     if model == ONNX_MODEL and not quick:
         entry["model_config_parameters"] = {
             "max_batch_size": [8, 16],
@@ -121,7 +145,8 @@ def search(model: str, quick: bool) -> dict:
     return entry
 
 
-def write_config(repository: Path, out: Path, models: list[str], quick: bool, photos_input: Path | None) -> Path:
+def write_config(repository: Path, out: Path, models: list[str], quick: bool, photos_input: Path | None,
+                 budgets_ms: dict[str, float] | None = None) -> Path:
     """<out>/profile.yaml for local launch mode against the embedded tritonserver on free ports; returns it."""
     import yaml
 
@@ -132,7 +157,7 @@ def write_config(repository: Path, out: Path, models: list[str], quick: bool, ph
     http, grpc, metrics = free_ports(3)
     profile_models = {}
     for model in models:
-        entry = search(model, quick)
+        entry = search(model, quick, (budgets_ms or {}).get(model))
         if model == ENSEMBLE_MODEL and photos_input is not None:
             entry["perf_analyzer_flags"] = {"input-data": str(photos_input)}
         profile_models[model] = entry
@@ -178,13 +203,14 @@ def summary(export: Path, models: list[str]) -> list[dict]:
 
 
 def profile_one(binary: Path, repository: Path, out: Path, model: str, quick: bool, photos: Path | None,
-                env: dict) -> tuple[list[dict], str, float]:
+                env: dict, p99_ms: float | None = None) -> tuple[list[dict], str | None, float]:
     """Profile then report `model` in <out>/<model>/; (its rows, its best config, profile seconds).
     Each model runs on its own: Model Analyzer searches an ensemble with its quick search only, and would
-    switch the other models to it too."""
+    switch the other models to it too. The best config is None when no measurement met the p99 budget
+    (then no report is made)."""
     folder = out / model
     folder.mkdir(parents=True, exist_ok=True)
-    config = write_config(repository, folder, [model], quick, photos)
+    config = write_config(repository, folder, [model], quick, photos, {model: p99_ms} if p99_ms else None)
     log_path = folder / "model-analyzer.log"
     print(f"model-analyzer: profiling {model} (log: {shown(log_path)})", file=sys.stderr, flush=True)
     started = time.monotonic()
@@ -195,7 +221,9 @@ def profile_one(binary: Path, repository: Path, out: Path, model: str, quick: bo
         raise ModelAnalyzerError(f"model-analyzer profile of {model} failed (status {status}): {last_error(log_path)}")
     profile_s = time.monotonic() - started
     rows = summary(folder / "export", [model])
-    best = best_configs(rows)[model]
+    best = best_configs(rows, {model: p99_ms} if p99_ms else None).get(model)
+    if best is None:
+        return rows, None, profile_s
     with log_path.open("a") as log:
         status = subprocess.run([str(binary), "report", "-e", str(folder / "export"), "--checkpoint-directory",
                                  str(folder / "checkpoints"), "--report-model-configs", best.split(":")[0]],
@@ -237,17 +265,18 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
 
             photos = write_input_data(photo_set("sample", settings.results), out / "photos.json")
         env = dict(os.environ, PATH=f"{binary.parent}:{os.environ.get('PATH', '')}")
+        budgets_ms = {**P99_BUDGET_MS, **dict(args.p99_ms)}
         rows, best, seconds = [], {}, {}
         for model in args.models:
             model_rows, best[model], seconds[model] = profile_one(binary, settings.model_repository, out, model,
-                                                                  args.quick, photos, env)
+                                                                  args.quick, photos, env, budgets_ms.get(model))
             rows += model_rows
     except ModelAnalyzerError as exc:
         print(f"model-analyzer: {exc}", file=sys.stderr)
         return 2
     finally:
         remove_regions(shm_prefix(out))
-    print(format_summary(rows, best, seconds))
+    print(format_summary(rows, best, seconds, {m: budgets_ms.get(m) for m in args.models}))
     print(f"\nreports: {shown(out)}/<model>/export/reports/ (HTML)", file=sys.stderr)
     return 0
 
@@ -264,24 +293,40 @@ def last_error(log_path: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def best_configs(rows: list[dict]) -> dict[str, str]:
-    """model -> the config with the highest throughput Model Analyzer measured for it."""
+def best_configs(rows: list[dict], budgets_ms: dict[str, float] | None = None) -> dict[str, str]:
+    """model -> the config of its best row (best_rows)."""
+    return {model: row["Model Config Path"] for model, row in best_rows(rows, budgets_ms).items()}
+
+
+def best_rows(rows: list[dict], budgets_ms: dict[str, float] | None = None) -> dict[str, dict]:
+    """model -> the measurement (config and concurrency) with the highest throughput Model Analyzer measured
+    for it, counting only rows whose p99 is within the model's budget (ms) where one is given; a model with
+    no such row is left out."""
     best: dict[str, dict] = {}
     for row in rows:
+        limit = (budgets_ms or {}).get(row["Model"])
+        if limit and float(row["p99 Latency (ms)"]) > limit:
+            continue
         current = best.get(row["Model"])
         if current is None or float(row["Throughput (infer/sec)"]) > float(current["Throughput (infer/sec)"]):
             best[row["Model"]] = row
-    return {model: row["Model Config Path"] for model, row in best.items()}
+    return best
 
 
-def format_summary(rows: list[dict], best: dict[str, str], seconds: dict[str, float]) -> str:
-    """Model Analyzer's measurements as a table, the best config of each model marked; its wall times."""
+def format_summary(rows: list[dict], best: dict[str, str | None], seconds: dict[str, float],
+                   budgets_ms: dict[str, float | None] | None = None) -> str:
+    """Model Analyzer's measurements as a table, the best config of each model (within its p99 budget, ms)
+    marked; its wall times; a line for a model none of whose measurements met its budget."""
     took = ", ".join(f"{model} {s:.0f} s" for model, s in seconds.items())
-    lines = [f"Model Analyzer {VERSION}: {len(rows)} measurements; profile wall time {took}",
+    slo = ", ".join(f"{m} p99 <= {ms:g} ms" for m, ms in (budgets_ms or {}).items() if ms)
+    lines = [f"Model Analyzer {VERSION}: {len(rows)} measurements; profile wall time {took}"
+             + (f"; SLO {slo}" if slo else ""),
              "| model | config | instances | max batch | concurrency | infer/s | p99 ms | best |",
              "|---|---|---|---|---|---|---|---|"]
+    marked = [id(row) for row in best_rows(rows, {m: ms for m, ms in (budgets_ms or {}).items() if ms}).values()]
     for row in rows:
-        mark = "yes" if best.get(row["Model"]) == row["Model Config Path"] else ""
+        mark = "yes" if id(row) in marked else ""
         lines.append(f"| {row['Model']} | {row['Model Config Path']} | {row['Instance Group']} | {row['Max Batch Size']} "
                      f"| {row['Concurrency']} | {row['Throughput (infer/sec)']} | {row['p99 Latency (ms)']} | {mark} |")
+    lines += [f"{model}: no measurement met its p99 budget" for model, config in best.items() if config is None]
     return "\n".join(lines)
