@@ -26,7 +26,7 @@ def test_model_analyzer_profiles_the_network_on_the_embedded_server(tmp_path):
     result = kit("model-analyzer", "--quick", "--models", "resnet18_onnx", "--p99-ms", "resnet18_onnx=60000",
                  "--out", str(tmp_path / "ma"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "perf_latency_p99:\n      max: 60000" in (tmp_path / "ma" / "resnet18_onnx" / "profile.yaml").read_text()
+    assert "perf_latency_p99:\n        max: 60000" in (tmp_path / "ma" / "resnet18_onnx" / "profile.yaml").read_text()
     assert installed_version(DEFAULT_VENV) == VERSION
     print("\n" + result.stdout, flush=True)
     (row,) = [line for line in result.stdout.splitlines() if line.startswith("| resnet18_onnx ")]
