@@ -6,6 +6,7 @@
   profile         measure a model's profile through the embedded tritonserver (needs the server)
   validate        profile + perf_analyzer Poisson runs vs the simulation (needs the server)
   scale           replicas for 1k..1M infer/s from profiles, and the limit that binds first
+  profile-ensemble, ensemble   the main job as two stages (resnet18_kit/planner/ensemble_cli.py)
 
 `resnet18-kit plan <subcommand> --help` tells each one's options; the model repository and the results
 folder are the global --model-repository and --results (results go to <results>/planner/ by default).
@@ -24,6 +25,7 @@ from pathlib import Path
 from resnet18_kit.contract import DEFAULT_VARIANT, ONNX_MODEL
 from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.planner.arrivals import BALANCERS, Bursty, Poisson, Trace
+from resnet18_kit.planner.ensemble_cli import add_ensemble_commands
 from resnet18_kit.planner.profile import Profile, constant_profile
 from resnet18_kit.planner.search import Plan, SearchSpace, Slo, format_plan, plan, speed_for
 from resnet18_kit.planner.simulator import LostWakeup, simulate
@@ -212,10 +214,13 @@ def cmd_profile(settings: Settings, args) -> int:
     args.instances = args.instances or [1]
     ceiling, ceiling_source = server_ceiling_from_bench(settings.results)
     out = Path(args.out or settings.results_dir("planner", "profile"))
-    profile = measure_with_progress(args, out / f"profile-{args.model}", source, server_ceiling_rps=ceiling)
+    source.own_config_path(args.model, args.model_config_name)  # FileNotFoundError for an unknown variant
+    name = args.model if args.model_config_name == DEFAULT_VARIANT else f"{args.model}-{args.model_config_name}"
+    profile = measure_with_progress(args, out / f"profile-{name}", source, server_ceiling_rps=ceiling,
+                                    variant=args.model_config_name)
     if ceiling_source:
         profile.extra["server_ceiling_source"] = ceiling_source
-    path = profile.save(out / f"profile-{args.model}.json")
+    path = profile.save(out / f"profile-{name}.json")
     print(f"profile written: {path}")
     return 0
 
@@ -360,6 +365,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--no-speed", action="store_true", help="skip the speed-under-load runs "
                        "(resnet18_kit/planner/speed.py; about 2 minutes per instance count)")
         if command == "profile":
+            p.add_argument("--model-config-name", default=DEFAULT_VARIANT,
+                           help="the model's config variant to profile (default: config.pbtxt; e.g. int8)")
             p.add_argument("--source-repository", type=Path,
                            help="model repository holding --model (default: the global --model-repository; "
                                 "e.g. resnet18_kit/bench/model_repository for identity)")
@@ -384,6 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", nargs="+", required=True, help="PROFILE.json:PERCENTILE:BUDGET_MS, one per model")
     p.add_argument("--targets", type=float, nargs="+", default=[1e3, 2e4, 1e5, 1e6])
     p.set_defaults(plan_run=cmd_scale)
+    add_ensemble_commands(sub, _subcommand)
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ from resnet18_kit.load.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, LoadSpec, Pe
                                  parse_csv, run_level, run_perf_analyzer)
 from resnet18_kit.progress import log_status
 from resnet18_kit.observe.statistics import ExecutionSampler, model_statistics, statistics_delta
-from resnet18_kit.contract import TRITON_VERSION
+from resnet18_kit.contract import DEFAULT_VARIANT, TRITON_VERSION
 from resnet18_kit.planner.batcher import BatcherConfig
 from resnet18_kit.planner.cpu import MAX_ATTEMPTS, MAX_FOREIGN_SHARE, CpuAccount, wait_until_quiet
 from resnet18_kit.planner.pbtxt import planned_config, write_config
@@ -71,11 +71,12 @@ def instance_parameters(base_parameters: dict[str, str], instances: int) -> dict
 
 
 def scratch_repository(model: str, out_dir: Path, max_batch: int, instances: int,
-                       source_repository: ModelRepository) -> tuple[Path, dict[str, str]]:
-    """A model repository holding only `model` of `source_repository`, without dynamic batching, with
-    `instances` instances and max_batch_size `max_batch`; the version folder is a link to the real one.
-    Returns (repository path, the per-instance parameters used)."""
-    base = ModelConfigView.for_variant(source_repository, model)
+                       source_repository: ModelRepository, variant: str = DEFAULT_VARIANT
+                       ) -> tuple[Path, dict[str, str]]:
+    """A model repository holding only `model` of `source_repository` (its config `variant`), without
+    dynamic batching, with `instances` instances and max_batch_size `max_batch`; the version folder is a
+    link to the real one. Returns (repository path, the per-instance parameters used)."""
+    base = ModelConfigView.for_variant(source_repository, model, variant)
     params = instance_parameters(base.parameters, instances)
     config = planned_config(base.proto, BatcherConfig(max_batch_size=max_batch, dynamic_batching=False), instances,
                             params)
@@ -168,9 +169,10 @@ def measure_speed(grpc_url: str, http_url: str, model: str, instances: int, exec
 
 def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: tuple[int, ...], out_dir: Path,
                     source_repository: ModelRepository, executions: int = 12, server_ceiling_rps: float = 0.0,
-                    speed_under_load: bool = True, progress=log_status) -> Profile:
-    """Measure `model` of `source_repository`: its profile for each instance count (one server start each) and batch size, and
-    (speed_under_load, with batch 1 among the sizes) its speed traces (`measure_speed`).
+                    speed_under_load: bool = True, progress=log_status, variant: str = DEFAULT_VARIANT) -> Profile:
+    """Measure `model` of `source_repository` (its config `variant`, e.g. "int8"): its profile for each
+    instance count (one server start each) and batch size, and (speed_under_load, with batch 1 among the
+    sizes) its speed traces (`measure_speed`).
 
     executions: back-to-back executions measured per instance and batch size (after 2 discarded).
     Writes perf_analyzer's files under out_dir/<instances>x/b<B>/ and returns the Profile. Status lines go
@@ -178,14 +180,15 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
     planner.__main__.profile_runs counts), warning for a measurement repeated because of other load.
     """
     started = datetime.datetime.now(datetime.timezone.utc)
-    row_bytes = output_row_bytes(ModelConfigView.for_variant(source_repository, model).proto)
+    row_bytes = output_row_bytes(ModelConfigView.for_variant(source_repository, model, variant).proto)
     timings: dict[int, dict[int, BatchTiming]] = {}
     details: dict = {"runs": {}, "instance_parameters": {}}
     overhead_us = 0.0
     speed: dict[int, tuple[SpeedTrace, ...]] = {}
     for instances in instance_counts:
         level_dir = out_dir / f"{instances}x"
-        repository, params = scratch_repository(model, level_dir, max(batch_sizes), instances, source_repository)
+        repository, params = scratch_repository(model, level_dir, max(batch_sizes), instances, source_repository,
+                                                variant)
         details["instance_parameters"][str(instances)] = params
         server_config = config_on_free_ports(model_repository=repository)
         progress(f"profile: {instances} instance(s): starting tritonserver")
@@ -250,6 +253,8 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
             if t.std_ms != t.std_ms:
                 by_batch[batch] = BatchTiming(t.mean_ms, cv * t.mean_ms, t.executions)
     machine = machine_info(TRITON_VERSION)
+    if variant != DEFAULT_VARIANT:
+        details["variant"] = variant
     profile = Profile(
         model=model, timings=timings, overhead_us=overhead_us, server_ceiling_rps=server_ceiling_rps,
         device=f"{machine['cpu']} ({machine['cores']} cores), {machine['gpu'] or 'no GPU'}",

@@ -69,6 +69,8 @@ class SimResult:
         last arrival.
     utilization: busy fraction of the instances over the same window.
     batches: {batch size: executions} after the warm-up.
+    done_s: completion time of every request, warm-up included, by arrival index (NaN: refused or timed
+        out); what a next stage receives (resnet18_kit/planner/ensemble.py).
     """
 
     arrivals: int
@@ -82,6 +84,7 @@ class SimResult:
     utilization: float
     batches: dict[int, int] = field(default_factory=dict)
     stalls: int = 0
+    done_s: np.ndarray | None = None
 
     def percentile_ms(self, p: float) -> float:
         """Latency percentile `p` (0-100) of completed requests, milliseconds (inf when none completed)."""
@@ -140,6 +143,7 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
     stalled_until = -inf  # LostWakeup: the batcher missed a free instance and sleeps until then
     latencies = np.full(n, np.nan)
     queued = np.full(n, np.nan)
+    done = np.full(n, np.nan)
     refused = timed_out = stalls = 0
     completed_in_window = 0
     busy_in_window = 0.0
@@ -203,6 +207,7 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
                 if window_start <= now <= window_end:
                     completed_in_window += len(payload)
                 for r in payload:
+                    done[r.index] = now
                     if r.index >= first_measured:
                         latencies[r.index] = now - r.arrival_s
                         queued[r.index] = r.start_s - r.arrival_s
@@ -233,12 +238,12 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
             i += 1
 
     measured = latencies[first_measured:]
-    done = ~np.isnan(measured)
+    answered = ~np.isnan(measured)
     window = window_end - window_start
     return SimResult(
-        arrivals=n - first_measured, completed=int(done.sum()), refused=refused, timed_out=timed_out,
-        latencies_s=measured[done] + profile.overhead_us / 1e6, queue_s=queued[first_measured:][done],
+        arrivals=n - first_measured, completed=int(answered.sum()), refused=refused, timed_out=timed_out,
+        latencies_s=measured[answered] + profile.overhead_us / 1e6, queue_s=queued[first_measured:][answered],
         throughput_rps=completed_in_window / window if window > 0 else 0.0,
         offered_rps=(n - first_measured - 1) / window if window > 0 else 0.0,
         utilization=busy_in_window / (instances * window) if window > 0 else 0.0,
-        batches=dict(sorted(batches.items())), stalls=stalls)
+        batches=dict(sorted(batches.items())), stalls=stalls, done_s=done)

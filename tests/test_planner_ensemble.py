@@ -1,0 +1,112 @@
+"""The ensemble as two stages (resnet18_kit/planner/ensemble.py): the tandem simulation, the capacity of
+two stages sharing a device, the plan and its written configs, bad profiles. No server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy
+from resnet18_kit.planner.ensemble import (EnsembleProfile, Interference, StageConfig, plan_ensemble,
+                                           simulate_ensemble)
+from resnet18_kit.planner.profile import BatchTiming, Profile
+from resnet18_kit.planner.search import SearchSpace, Slo
+
+KIT = Path(sys.executable).parent / "resnet18-kit"
+
+
+def ensemble_profile(pre_ms: float = 10.0, net_ms: float = 5.0, pre_factor: float = 1.0,
+                     net_factor: float = 1.0, overhead_us: float = 0.0) -> EnsembleProfile:
+    """preprocess: pre_ms per image with 1 or 2 instances (2 instances: the same time each); the network:
+    net_ms per batch whatever its size up to 16 (1 instance); no noise."""
+    pre = Profile("preprocess", {n: {1: BatchTiming(pre_ms)} for n in (1, 2)})
+    net = Profile("resnet18_onnx", {1: {b: BatchTiming(net_ms) for b in (1, 2, 4, 8, 16)}})
+    pairs = tuple(Interference(p, 1, pre_factor, net_factor) for p in (1, 2))
+    return EnsembleProfile(pre, net, pairs, overhead_us)
+
+
+PRE = BatcherConfig(max_batch_size=16, preferred_batch_sizes=(1,), queue=QueuePolicy(max_queue_size=64))
+
+
+def test_a_regular_stream_below_both_stages_capacity_waits_nowhere():
+    """Every 20 ms a photo; preprocess 10 ms then the network 5 ms, each alone: 15 ms end to end, plus the
+    fixed overhead, for every request; the network receives what preprocess finished, in order."""
+    profile = ensemble_profile(overhead_us=2000)
+    arrivals = np.arange(200) * 0.020
+    result = simulate_ensemble(arrivals, profile, StageConfig(PRE, 1),
+                               StageConfig(BatcherConfig(max_batch_size=16), 1))
+    assert result.refused == 0 and result.latencies_s.size == 180
+    assert np.allclose(result.latencies_s, 0.017)
+    assert result.stages[1].average_batch == 1.0
+
+
+def test_interference_slows_both_stages_and_moves_the_bottleneck():
+    """Preprocess at 10 ms is the bottleneck alone (100/s against the network's 16 x 200/s); slowed x1.6
+    beside the network it runs at 62.5/s, so 70 photos/s overload one instance: latencies grow without
+    bound; with two instances (125/s) the same load is served with a short queue."""
+    slow = ensemble_profile(pre_factor=1.6)
+    arrivals = np.cumsum(np.random.default_rng(3).exponential(1 / 70.0, 4000))
+    network = StageConfig(BatcherConfig(max_batch_size=16), 1)
+    one = simulate_ensemble(arrivals, slow, StageConfig(replace_queue(PRE, 0), 1), network)
+    two = simulate_ensemble(arrivals, slow, StageConfig(replace_queue(PRE, 0), 2), network)
+    assert one.throughput_rps < 0.95 * one.offered_rps and one.percentile_ms(99) > 5000
+    assert two.throughput_rps > 0.97 * two.offered_rps and two.percentile_ms(99) < 300
+    # A bounded preprocess queue refuses what one instance cannot take: counted as refused end to end.
+    bounded = simulate_ensemble(arrivals, slow, StageConfig(PRE, 1), network)
+    assert bounded.refused > 0 and bounded.percentile_ms(99) < 64 * 16 * 1.1 + 50
+
+
+def replace_queue(batcher: BatcherConfig, size: int) -> BatcherConfig:
+    from dataclasses import replace
+    return replace(batcher, queue=QueuePolicy(max_queue_size=size))
+
+
+def test_the_plan_takes_the_instances_the_load_needs_and_names_the_bottleneck():
+    """70 photos/s, p99 <= 500 ms, 1 device: one preprocess instance (62.5/s beside the network) cannot,
+    two can: the plan is 1 device with 2 preprocess instances, preprocess the bottleneck."""
+    profile = ensemble_profile(pre_factor=1.6)
+    result = plan_ensemble(70.0, Slo(99, 500), profile, SearchSpace(requests=4000, max_batch_sizes=(4, 16)), PRE)
+    best = result.best
+    assert best is not None and best.devices == 1
+    assert best.preprocess.instances == 2 and best.bottleneck == "preprocess"
+    assert best.capacity_rps == pytest.approx(2 / 0.016)
+    assert best.result.percentile_ms(99) <= 500
+
+
+def test_a_profile_without_a_stage_or_pair_is_refused_by_name(tmp_path):
+    data = ensemble_profile().to_json()
+    del data["network"]
+    path = tmp_path / "no-network.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="lacks the network stage"):
+        EnsembleProfile.load(path)
+    data = ensemble_profile().to_json()
+    data["interference"][0]["preprocess_instances"] = 3
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="preprocess stage with 3 instance"):
+        EnsembleProfile.load(path)
+    result = subprocess.run([str(KIT), "plan", "ensemble", "--profile", str(path), "--qps", "40", "--budget-ms",
+                             "500"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "preprocess stage with 3" in result.stderr
+
+
+def test_the_plan_writes_both_stages_configs(tmp_path):
+    """`plan ensemble` on a saved profile: both config.pbtxt files, each parsing as Triton's ModelConfig,
+    with the planned instance counts."""
+    from resnet18_kit.observe.model_config import ModelConfigView
+
+    path = ensemble_profile(pre_factor=1.6).save(tmp_path / "profile.json")
+    result = subprocess.run([str(KIT), "plan", "ensemble", "--profile", str(path), "--qps", "70", "--budget-ms",
+                             "500", "--requests", "3000", "--max-batch-sizes", "4", "16", "--name", "planned70",
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "bottleneck: preprocess" in result.stdout
+    pre = ModelConfigView.from_file(tmp_path / "out" / "preprocess" / "configs" / "planned70.pbtxt")
+    net = ModelConfigView.from_file(tmp_path / "out" / "resnet18_onnx" / "configs" / "planned70.pbtxt")
+    assert pre.instance_count() == 2 and net.instance_count() == 1
+    assert pre.name == "preprocess" and net.name == "resnet18_onnx"
