@@ -110,3 +110,39 @@ def test_the_plan_writes_both_stages_configs(tmp_path):
     net = ModelConfigView.from_file(tmp_path / "out" / "resnet18_onnx" / "configs" / "planned70.pbtxt")
     assert pre.instance_count() == 2 and net.instance_count() == 1
     assert pre.name == "preprocess" and net.name == "resnet18_onnx"
+
+
+def test_the_served_stages_of_a_config_name_as_tritonserver_picks_them(tmp_path):
+    """validate-ensemble's scratch repository: the shipped configs plus a planned one; under "int8" the
+    network runs 2 single-thread instances at once and preprocess (no configs/int8.pbtxt) its config.pbtxt's
+    3; under "default" the rate limiter lets one network instance run at a time; a planned name serves the
+    planned files of both stages."""
+    from resnet18_kit.planner.validate_ensemble import scratch_repository, served_stages
+    from resnet18_kit.settings import Settings
+
+    source = Settings.build().repository
+    path = ensemble_profile(pre_factor=1.6).save(tmp_path / "profile.json")
+    subprocess.run([str(KIT), "plan", "ensemble", "--profile", str(path), "--qps", "70", "--budget-ms", "500",
+                    "--requests", "3000", "--max-batch-sizes", "4", "--name", "p70", "--out", str(tmp_path / "out")],
+                   check=True, capture_output=True, timeout=300)
+    repository = scratch_repository(source, tmp_path / "out", tmp_path / "scratch")
+    pre, net = served_stages(repository, "int8")
+    assert (pre.instances, net.instances) == (3, 2)
+    pre, net = served_stages(repository, "default")
+    assert (pre.instances, net.instances) == (3, 1)
+    pre, net = served_stages(repository, "p70")
+    assert (pre.instances, net.instances) == (2, 1) and net.batcher.max_batch_size == 4
+    assert (source.root / "resnet18_onnx" / "configs" / "p70.pbtxt").exists() is False
+
+
+def test_the_validation_table_judges_both_targets():
+    from resnet18_kit.planner.validate_ensemble import format_table, met
+
+    def row(throughput, p99):
+        return {"config": "default", "fraction": 0.7, "rate_rps": 50.0, "measured": {
+            "throughput": 50.0, "p50_ms": 40.0, "p99_ms": 200.0},
+            "predicted": {"throughput": throughput, "p50_ms": 45.0, "p99_ms": p99}}
+    assert met(row(52.0, 240.0)) and not met(row(56.0, 200.0)) and not met(row(50.0, 260.0))
+    table = format_table([row(52.0, 240.0), row(50.0, 260.0), {**row(50.0, 200.0), "measured": None,
+                                                               "error": "refused"}])
+    assert "1 of 3 levels within both targets" in table and "perf_analyzer failed: refused" in table

@@ -5,6 +5,7 @@ stages (resnet18_kit/planner/ensemble.py for the model, measure_ensemble.py for 
                     about 6 minutes for 3 x 2 instance counts); writes <out>/profile-ensemble[-<variant>].json
   ensemble          plan both stages for a target images/s and a latency SLO; writes configs/<name>.pbtxt
                     for preprocess and for the network (served together with --model-config-name=<name>)
+  validate-ensemble the prediction against the real ensemble on photos, Poisson levels (starts tritonserver)
 """
 from __future__ import annotations
 
@@ -85,6 +86,26 @@ def cmd_ensemble(settings: Settings, args) -> int:
     return 0
 
 
+def cmd_validate_ensemble(settings: Settings, args) -> int:
+    """`validate-ensemble`: every config x level; writes validation-ensemble.json / .md into --out."""
+    import json
+
+    from resnet18_kit.planner.validate_ensemble import format_table, validate_ensemble
+
+    profile = EnsembleProfile.load(args.profile)
+    out = Path(args.out or settings.results_dir("planner", "validate-ensemble"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.configs_from and not args.configs_from.is_dir():
+        raise FileNotFoundError(f"--configs-from {args.configs_from}: no such folder")
+    rows = validate_ensemble(settings.repository, profile, args.configs, tuple(args.fractions), out,
+                             args.requests_per_level, args.min_level_s, args.configs_from, settings.results)
+    (out / "validation-ensemble.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
+    table = format_table(rows)
+    (out / "validation-ensemble.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
 def positive(text: str) -> float:
     try:
         value = float(text)
@@ -125,3 +146,16 @@ def add_ensemble_commands(sub, subcommand) -> None:
     p.add_argument("--into-model-repository", action="store_true",
                    help="write into the model repository instead")
     p.set_defaults(plan_run=cmd_ensemble)
+
+    p = subcommand(sub, "validate-ensemble", "the two-stage prediction against the real ensemble on photos "
+                   "(starts tritonserver)")
+    p.add_argument("--profile", type=Path, required=True, help="ensemble profile (plan profile-ensemble)")
+    p.add_argument("--configs", nargs="+", default=[DEFAULT_VARIANT],
+                   help="config names served with --model-config-name (default: default)")
+    p.add_argument("--configs-from", type=Path, help="a `plan ensemble --out` folder: its planned configs too")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.7, 0.95],
+                   help="levels as fractions of the predicted capacity (default 0.3 0.7 0.95)")
+    p.add_argument("--requests-per-level", type=int, default=400, help="requests per level, at least")
+    p.add_argument("--min-level-s", type=float, default=10.0, help="seconds per level, at least")
+    p.add_argument("--out", type=Path, help="results folder (default <results>/planner/validate-ensemble)")
+    p.set_defaults(plan_run=cmd_validate_ensemble)
