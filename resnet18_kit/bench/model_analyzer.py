@@ -14,7 +14,9 @@ directory, the rate limiter on, the kit's perf_analyzer 2.51, CPU-only models, f
 The search (Model Analyzer's manual search: its automatic search skips max_batch_size 1 candidates and
 measures nothing else for these Python-backend models), per model:
   resnet18_onnx  instance count 1, 2 (each asks the rate limiter for both cores, as the shipped config);
-                 max_batch_size 8, 16 with that size preferred; max_queue_delay 0, 5000 us;
+                 max_batch_size 16, 32 (not below 16: the shipped warmup sends a batch of 16), preferred
+                 size 8 (one size legal under both: Model Analyzer skips a config whose preferred size
+                 exceeds its max_batch_size as illegal); max_queue_delay 0, 5000 us;
                  concurrency 4, 8, 16; random FP32 tensors
   resnet18       the ensemble as one model, its steps as configured; concurrency 4, 8, 16; the sample
                  photos as BYTES input data (resnet18-kit perf-analyzer --photos-input-data)
@@ -135,8 +137,9 @@ def search(model: str, quick: bool, p99_ms: float | None = None) -> dict:
         entry["constraints"] = {"perf_latency_p99": {"max": int(p99_ms)}}
     if model == ONNX_MODEL and not quick:
         entry["model_config_parameters"] = {
-            "max_batch_size": [8, 16],
-            "dynamic_batching": {"max_queue_delay_microseconds": [0, 5000]},
+            "max_batch_size": [16, 32],
+            # One preferred size legal under both max sizes (module doc).
+            "dynamic_batching": {"preferred_batch_size": [[8]], "max_queue_delay_microseconds": [0, 5000]},
             "instance_group": [[{"kind": "KIND_CPU", "count": 1,
                                  "rate_limiter": {"resources": [{"name": "cores", "count": 2}]}}],
                                [{"kind": "KIND_CPU", "count": 2,
