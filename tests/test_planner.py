@@ -293,3 +293,18 @@ def test_the_gpu_rows_are_on_paper_and_follow_the_published_figure():
     assert all("NOT MEASURED" in row and "front end" in row for row in rows[:3])
     assert "DeepLearningExamples" in rows[-1] and "not measured here" in rows[-1]
     assert "GPU compute" in gpu_rows_on_paper((1_000,), ceiling_rps=20_000)[0]
+
+
+def test_max_rate_is_the_highest_load_one_device_serves_within_the_slo():
+    """The textbook device (any batch up to 100 in 100 ms: 1,000 infer/s): with batching one device meets
+    p99 <= 500 ms up to just below 1,000/s; unbatched (10/s at most) far less; a 50 ms budget, shorter than
+    one execution plus any wait for it, cannot be met at any load."""
+    from resnet18_kit.planner.search import max_rate
+
+    device = constant_profile(100.0, 100)
+    batched = max_rate(device, Slo(99, 500), SearchSpace(requests=4000, no_batching=False, max_batch_sizes=(100,),
+                                                         delay_fractions=(0.0,)))
+    assert 900 < batched < 1000
+    unbatched = max_rate(constant_profile(100.0, 1), Slo(99, 500), SearchSpace(requests=4000))
+    assert 3 < unbatched < 10
+    assert max_rate(device, Slo(99, 50), SearchSpace(requests=2000, no_batching=False)) == 0.0

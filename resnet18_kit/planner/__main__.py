@@ -27,7 +27,7 @@ from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.planner.arrivals import BALANCERS, Bursty, Poisson, Trace
 from resnet18_kit.planner.ensemble_cli import add_ensemble_commands
 from resnet18_kit.planner.profile import Profile, constant_profile
-from resnet18_kit.planner.search import Plan, SearchSpace, Slo, format_plan, plan, speed_for
+from resnet18_kit.planner.search import Plan, SearchSpace, Slo, format_plan, max_rate, plan, speed_for
 from resnet18_kit.planner.simulator import LostWakeup, simulate
 from resnet18_kit.progress import Progress
 from resnet18_kit.repository import ModelRepository
@@ -105,9 +105,9 @@ def cmd_plan(settings: Settings, args) -> int:
         profile = Profile.load(args.profile)
     else:
         raise ValueError("give --profile FILE or --worked-example")
-    if not args.qps or not args.budget_ms:
-        raise ValueError("give --qps and --budget-ms")
-    arrival, slo = _arrival(args, args.qps), Slo(args.percentile, args.budget_ms)
+    if not (args.qps or args.max_qps) or not args.budget_ms:
+        raise ValueError("give --qps (or --max-qps) and --budget-ms")
+    slo = Slo(args.percentile, args.budget_ms)
     space = SearchSpace(instances=tuple(args.instances) if args.instances else None,
                         max_batch_sizes=tuple(args.max_batch_sizes) if args.max_batch_sizes else None,
                         balancer=args.balancer, requests=args.requests, max_utilization=args.max_utilization,
@@ -119,6 +119,13 @@ def cmd_plan(settings: Settings, args) -> int:
 
         base_queue = batcher_from_config(ModelConfigView.from_file(args.model_config)).queue
         space = replace(space, base_queue=replace(base_queue, max_queue_size=0))
+    if args.max_qps:
+        args.qps = 0.99 * max_rate(profile, slo, space)
+        print(f"highest load one device serves within {slo.describe()}: {args.qps / 0.99:,.1f} infer/s; "
+              f"planned at 99% of it")
+        if not args.qps:
+            raise ValueError(f"no config meets {slo.describe()} on one device at any load")
+    arrival = _arrival(args, args.qps)
     if space.base_queue is not None and not space.lost_wakeup:
         print("note: the written config bounds the queue; Triton 2.51 then loses batcher wake-ups (up to "
               "500 ms, docs/capacity.md): plan with --lost-wakeup P or write --unbounded-queue", file=sys.stderr)
@@ -313,6 +320,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, help="profile JSON (resnet18-kit plan profile)")
     p.add_argument("--worked-example", action="store_true", help="the 100-in-100-ms device, 20,000 QPS, 500 ms")
     p.add_argument("--qps", type=float, help="target inferences/s (requests of batch 1)")
+    p.add_argument("--max-qps", action="store_true", help="instead of --qps: the highest load one device "
+                   "serves within the SLO (search.max_rate), and the config for it")
     p.add_argument("--percentile", type=float, default=99.0)
     p.add_argument("--budget-ms", type=float, help="latency budget at that percentile, ms")
     p.add_argument("--instances", type=int, nargs="*", help="instance counts to try (default: the profile's)")

@@ -98,7 +98,8 @@ def cmd_validate_ensemble(settings: Settings, args) -> int:
     if args.configs_from and not args.configs_from.is_dir():
         raise FileNotFoundError(f"--configs-from {args.configs_from}: no such folder")
     rows = validate_ensemble(settings.repository, profile, args.configs, tuple(args.fractions), out,
-                             args.requests_per_level, args.min_level_s, args.configs_from, settings.results)
+                             args.requests_per_level, args.min_level_s, args.configs_from, settings.results,
+                             rates=tuple(args.rates or ()))
     (out / "validation-ensemble.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
     table = format_table(rows)
     (out / "validation-ensemble.md").write_text(table + "\n")
@@ -155,6 +156,7 @@ def add_ensemble_commands(sub, subcommand) -> None:
     p.add_argument("--configs-from", type=Path, help="a `plan ensemble --out` folder: its planned configs too")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.7, 0.95],
                    help="levels as fractions of the predicted capacity (default 0.3 0.7 0.95)")
+    p.add_argument("--rates", type=positive, nargs="+", help="levels as images/s instead of --fractions")
     p.add_argument("--requests-per-level", type=int, default=400, help="requests per level, at least")
     p.add_argument("--min-level-s", type=float, default=10.0, help="seconds per level, at least")
     p.add_argument("--out", type=Path, help="results folder (default <results>/planner/validate-ensemble)")

@@ -11,7 +11,8 @@ to the real ones, configs derived from the repository's, warmups dropped: measur
      network's config with n instances, closed loop at ENSEMBLE_CONCURRENCY on the same photos; each
      stage's compute_infer per execution, over its alone figure (the network's at the average batch the
      run formed, interpolated between the sizes measured alone), is the pair's interference factor.
-The fixed overhead: a lone photo's p50 latency through the ensemble (concurrency 1) minus both stages'
+The pairs' shared factor (ensemble.calibrated) from each closed-loop run's throughput. The fixed overhead: a
+lone photo's p50 latency through the ensemble (concurrency 1) minus both stages'
 batch-1 times alone, from the first pair.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.observe.statistics import model_statistics, statistics_delta
 from resnet18_kit.planner.batcher import BatcherConfig, batcher_from_config
 from resnet18_kit.planner.cpu import wait_until_quiet
-from resnet18_kit.planner.ensemble import EnsembleProfile, Interference
+from resnet18_kit.planner.ensemble import EnsembleProfile, Interference, calibrated
 from resnet18_kit.planner.measure import instance_parameters, measure_profile
 from resnet18_kit.planner.pbtxt import planned_config, write_config
 from resnet18_kit.planner.profile import BatchTiming, Profile
@@ -171,5 +172,7 @@ def measure_ensemble_profile(source: ModelRepository, out: Path, preprocess_inst
                          source="perf_analyzer at concurrency 2 x instances, sample photos, no dynamic batcher; "
                                 "exec(1) = instances / throughput; a batch of b = b x exec(1)",
                          measured_utc=started.isoformat(timespec="seconds"))
-    return EnsembleProfile(preprocess, network_profile, tuple(pairs), overhead_us, "sample",
-                           started.isoformat(timespec="seconds"))
+    profile = EnsembleProfile(preprocess, network_profile, tuple(pairs), overhead_us, "sample",
+                              started.isoformat(timespec="seconds"))
+    return calibrated(profile, batcher_from_config(ModelConfigView.for_variant(source, PREPROCESS_MODEL)),
+                      batcher_from_config(ModelConfigView.for_variant(source, ONNX_MODEL, variant)))

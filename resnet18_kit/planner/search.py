@@ -264,6 +264,21 @@ def plan(target_rps: float, slo: Slo, profile: Profile, space: SearchSpace = Sea
     return Plan(target_rps, slo, best, baseline, candidates, f"{description}, {space.balancer} balancer")
 
 
+def max_rate(profile: Profile, slo: Slo, space: SearchSpace = SearchSpace(), steps: int = 8) -> float:
+    """The highest Poisson load (inferences/s) ONE device serves within the SLO with some config of the
+    space (nothing refused, the replica keeping up): bisection over (0, the largest per-device capacity),
+    `steps` halvings (resolution capacity / 2**steps). 0.0 when not even the lowest load tried meets it."""
+    candidates = candidates_for(profile, slo, space)
+    low, high = 0.0, max((c.capacity_rps for c in candidates), default=0.0)
+    for _ in range(steps):
+        rate = (low + high) / 2
+        if any(meets(evaluate(c, 1, rate, profile, space), slo) for c in candidates if c.capacity_rps > rate):
+            low = rate
+        else:
+            high = rate
+    return low
+
+
 def format_plan(p: Plan) -> str:
     """The plan as printed by `resnet18-kit plan plan`."""
     lines = [f"target {p.target_rps:,.0f} inferences/s, SLO {p.slo.describe()}, arrivals: {p.arrival}"]

@@ -80,8 +80,10 @@ def predict(profile: EnsembleProfile, pre: StageConfig, net: StageConfig, rate_r
 
 def validate_ensemble(source: ModelRepository, profile: EnsembleProfile, names: list[str], fractions: tuple[float, ...],
                       out: Path, requests_per_level: int = 400, min_level_s: float = 10.0,
-                      planned: Path | None = None, results: Path | None = None, progress=log_status) -> list[dict]:
-    """Every config name x level (module doc); one row per level with measured and predicted figures."""
+                      planned: Path | None = None, results: Path | None = None, progress=log_status,
+                      rates: tuple[float, ...] = ()) -> list[dict]:
+    """Every config name x level (module doc; `rates`, images/s, instead of fractions when given); one row per
+    level with measured and predicted figures."""
     repository = scratch_repository(source, planned, out / "repository")
     photos = write_input_data(photo_set("sample", results or out), out / "photos.json")
     rows = []
@@ -97,8 +99,8 @@ def validate_ensemble(source: ModelRepository, profile: EnsembleProfile, names: 
             run_level(ENSEMBLE_MODEL, grpc, "grpc", LoadSpec("concurrency", (4,), input_data=photos,
                                                               profile_export=False, request_count=40),
                       4, out / name / "warmup")
-            for fraction in fractions:
-                rate = round(fraction * capacity, 2)
+            levels = [(rate / capacity, rate) for rate in rates] or [(f, round(f * capacity, 2)) for f in fractions]
+            for fraction, rate in levels:
                 count = max(requests_per_level, int(rate * min_level_s))
                 load = LoadSpec("request_rate", (rate,), input_data=photos, profile_export=False,
                                 request_count=count, async_mode=True)
