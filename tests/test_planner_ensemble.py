@@ -146,3 +146,24 @@ def test_the_validation_table_judges_both_targets():
     table = format_table([row(52.0, 240.0), row(50.0, 260.0), {**row(50.0, 200.0), "measured": None,
                                                                "error": "refused"}])
     assert "1 of 3 levels within both targets" in table and "perf_analyzer failed: refused" in table
+
+
+def test_calibration_makes_the_model_capacity_the_closed_loop_throughput(tmp_path):
+    """Preprocess 10 ms (2 instances: 200/s), the network 5 ms a batch (1 instance, batches of 1: 200/s); a
+    closed-loop run that measured 80 images/s gives both stages x2.5, so the pair's capacity is 80; a run
+    faster than the model changes nothing (the factor is at least 1)."""
+    from dataclasses import replace
+
+    from resnet18_kit.planner.ensemble import calibrated
+    from resnet18_kit.planner.validate_ensemble import capacity_rps
+
+    one_by_one = BatcherConfig(max_batch_size=1, dynamic_batching=False)
+    base = ensemble_profile()
+    pairs = tuple(replace(p, measured={"ensemble_throughput": 80.0 if p.preprocess_instances == 2 else 500.0})
+                  for p in base.interference)
+    profile = calibrated(replace(base, interference=pairs), PRE, one_by_one)
+    assert profile.pair(2, 1).shared_factor == pytest.approx(2.5)
+    assert profile.pair(1, 1).shared_factor == 1.0
+    assert capacity_rps(profile, StageConfig(PRE, 2), StageConfig(one_by_one, 1)) == pytest.approx(80.0)
+    saved = EnsembleProfile.load(profile.save(tmp_path / "p.json"))
+    assert saved.pair(2, 1).shared_factor == pytest.approx(2.5)
