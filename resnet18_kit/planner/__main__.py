@@ -27,7 +27,8 @@ from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.planner.arrivals import BALANCERS, Bursty, Poisson, Trace
 from resnet18_kit.planner.ensemble_cli import add_ensemble_commands
 from resnet18_kit.planner.profile import Profile, constant_profile
-from resnet18_kit.planner.search import Plan, SearchSpace, Slo, format_plan, max_rate, plan, speed_for
+from resnet18_kit.planner.pbtxt import write_planned_config
+from resnet18_kit.planner.search import SearchSpace, Slo, format_plan, max_rate, plan, plan_to_json, speed_for
 from resnet18_kit.planner.simulator import LostWakeup, simulate
 from resnet18_kit.progress import Progress
 from resnet18_kit.repository import ModelRepository
@@ -62,37 +63,6 @@ STATIC_SPEED_HELP = ("ignore the profile's speed under load (resnet18_kit/planne
 
 def _lost_wakeup(probability: float) -> LostWakeup | None:
     return LostWakeup(probability) if probability > 0 else None
-
-
-def plan_to_json(p: Plan) -> dict:
-    """The plan as written by --json: target (infer/s), SLO (percentile, ms), best and no-batching figures."""
-    def candidate(c):
-        return None if c is None or not c.feasible else c.predicted(p.slo)
-    return {"target_rps": p.target_rps, "slo": {"percentile": p.slo.percentile, "budget_ms": p.slo.budget_ms},
-            "arrivals": p.arrival, "best": candidate(p.best), "no_batching": candidate(p.no_batching),
-            "queue_delay_us": p.best.batcher.max_queue_delay_us if p.best else None}
-
-
-def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path, name: str, command: str) -> Path:
-    """Write the plan's best config (base config + its batcher and instances) to `path`, with a header
-    saying how it was planned and what it is predicted to do; returns the path."""
-    from resnet18_kit.planner.pbtxt import planned_config, write_config
-
-    best = p.best
-    params = (profile.extra.get("instance_parameters", {}) or {}).get(str(best.instances), {})
-    config = planned_config(ModelConfigView.from_file(base_path).proto, best.batcher, best.instances, params)
-    d = best.predicted(p.slo)
-    header = (f"{config.name}, variant \"{name}\" (--model-config-name={name}), written by the capacity planner:\n"
-              f"  {command}\n"
-              f"Target {p.target_rps:,.0f} infer/s, SLO {p.slo.describe()}, arrivals {p.arrival}.\n"
-              f"Profile: {profile.model} on {profile.device} ({profile.measured_utc or 'no date'}).\n"
-              f"Predicted: {d['devices']:,} devices x {best.instances} instance(s); per device "
-              f"{d['throughput_rps_per_device']:,.1f} infer/s, p50 {d['p50_ms']:.1f} ms, p99 {d['p99_ms']:.1f} ms, "
-              f"busy {d['busy_fraction']:.0%}, average batch {d['average_batch']:.1f}.\n"
-              + ("max_queue_size = requests one device serves within the budget (resnet18_kit/planner/search.py)."
-                 if best.batcher.queue.max_queue_size else
-                 "No queue policy: Triton prefetches payloads (no lost wake-up, no queue bound)."))
-    return write_config(config, path, header)
 
 
 def cmd_plan(settings: Settings, args) -> int:

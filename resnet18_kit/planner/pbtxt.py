@@ -15,8 +15,10 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from resnet18_kit.observe.model_config import read_config
+from resnet18_kit.observe.model_config import ModelConfigView, read_config
 from resnet18_kit.planner.batcher import BatcherConfig
+from resnet18_kit.planner.profile import Profile
+from resnet18_kit.planner.search import Plan
 
 
 def planned_config(base: model_config_pb2.ModelConfig, batcher: BatcherConfig, instances: int,
@@ -65,3 +67,23 @@ def write_config(config: model_config_pb2.ModelConfig, path: Path, header: str =
     if read_config(path) != config:
         raise ValueError(f"{path} does not parse back to the planned config")
     return path
+
+
+def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path, name: str, command: str) -> Path:
+    """Write the plan's best config (base config + its batcher and instances) to `path`, with a header
+    saying how it was planned and what it is predicted to do; returns the path."""
+    best = p.best
+    params = (profile.extra.get("instance_parameters", {}) or {}).get(str(best.instances), {})
+    config = planned_config(ModelConfigView.from_file(base_path).proto, best.batcher, best.instances, params)
+    d = best.predicted(p.slo)
+    header = (f"{config.name}, variant \"{name}\" (--model-config-name={name}), written by the capacity planner:\n"
+              f"  {command}\n"
+              f"Target {p.target_rps:,.0f} infer/s, SLO {p.slo.describe()}, arrivals {p.arrival}.\n"
+              f"Profile: {profile.model} on {profile.device} ({profile.measured_utc or 'no date'}).\n"
+              f"Predicted: {d['devices']:,} devices x {best.instances} instance(s); per device "
+              f"{d['throughput_rps_per_device']:,.1f} infer/s, p50 {d['p50_ms']:.1f} ms, p99 {d['p99_ms']:.1f} ms, "
+              f"busy {d['busy_fraction']:.0%}, average batch {d['average_batch']:.1f}.\n"
+              + ("max_queue_size = requests one device serves within the budget (resnet18_kit/planner/search.py)."
+                 if best.batcher.queue.max_queue_size else
+                 "No queue policy: Triton prefetches payloads (no lost wake-up, no queue bound)."))
+    return write_config(config, path, header)

@@ -316,3 +316,12 @@ def format_plan(p: Plan) -> str:
             f"{c.batcher.max_queue_delay_us / 1000:g} ms -> {c.devices:,} devices, "
             f"p{p.slo.percentile:g} {c.result.percentile_ms(p.slo.percentile):,.0f} ms" for c in same))
     return "\n".join(lines)
+
+
+def plan_to_json(p: Plan) -> dict:
+    """The plan as written by --json: target (infer/s), SLO (percentile, ms), best and no-batching figures."""
+    def candidate(c):
+        return None if c is None or not c.feasible else c.predicted(p.slo)
+    return {"target_rps": p.target_rps, "slo": {"percentile": p.slo.percentile, "budget_ms": p.slo.budget_ms},
+            "arrivals": p.arrival, "best": candidate(p.best), "no_batching": candidate(p.no_batching),
+            "queue_delay_us": p.best.batcher.max_queue_delay_us if p.best else None}
