@@ -178,7 +178,7 @@ def test_bench_and_planner_read_the_same_figures_through_one_reader(repository):
         bench = local_batching(repository, contract.ONNX_MODEL, variant)
         assert (bench.max_batch_size, bench.max_queue_size, bench.instance_count()) == (
             batcher.max_batch_size, batcher.queue.max_queue_size, view.instance_count())
-        assert configs_instance_counts(repository, contract.ONNX_MODEL, [variant]) == [view.instance_count()]
+        assert configs_instance_counts(repository, contract.ONNX_MODEL, [variant]) == [view.concurrent_executions()]
     with pytest.raises(FileNotFoundError, match="nosuch.pbtxt"):
         repository.own_config_path(contract.ONNX_MODEL, "nosuch")
 

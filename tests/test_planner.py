@@ -122,6 +122,22 @@ def test_no_dynamic_batching_runs_each_request_alone_on_any_free_instance():
     assert sorted(np.round(result.latencies_s * 1e3)) == [100, 100, 200]
 
 
+def test_rate_limited_instances_hold_a_batch_until_their_turn():
+    # Two instances, one executing at a time (the default config's rate limiter): the second instance takes
+    # a batch when it is idle and runs it when the first finishes, with the one-execution table's times.
+    profile = Profile("m", {1: {b: BatchTiming(100.0) for b in (1, 2, 4, 8)},
+                            2: {b: BatchTiming(190.0) for b in (1, 2, 4, 8)}})
+    config = BatcherConfig(max_batch_size=8, max_queue_delay_us=0)
+    arrivals = np.array([0.0, 0.01, 0.02, 0.03])
+    held = simulate(arrivals, config, profile, instances=2, concurrent=1, warmup_fraction=0.0, exec_noise=False)
+    assert held.batches == {1: 2, 2: 1}  # [r0] runs, [r1] is held, [r2, r3] are taken when [r1] starts
+    assert list(np.round(held.done_s * 1e3)) == [100, 200, 300, 300]
+    one = simulate(arrivals, config, profile, instances=1, warmup_fraction=0.0, exec_noise=False)
+    assert one.batches == {1: 1, 3: 1} and list(np.round(one.done_s * 1e3)) == [100, 200, 200, 200]
+    both = simulate(arrivals, config, profile, instances=2, warmup_fraction=0.0, exec_noise=False)
+    assert list(np.round(both.done_s * 1e3)) == [190, 200, 380, 380]  # two at once, each at its own table
+
+
 def test_md1_queue_matches_pollaczek_khinchine():
     # One instance, no batching, deterministic 10 ms service, Poisson at 50/s (rho 0.5):
     # mean wait = rho x s / (2 (1 - rho)) = 5 ms.

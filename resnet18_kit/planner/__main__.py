@@ -137,17 +137,17 @@ def cmd_simulate(settings: Settings, args) -> int:
     profile = Profile.load(args.profile)
     path = args.config or settings.repository.own_config_path(profile.model, args.config_name)
     config = ModelConfigView.from_file(path)
-    batcher, instances = batcher_from_config(config), config.instance_count()
+    batcher, instances, concurrent = batcher_from_config(config), config.instance_count(), config.concurrent_executions()
     if args.max_queue_delay_us is not None:
         batcher = replace(batcher, max_queue_delay_us=args.max_queue_delay_us)
     import numpy as np
 
     arrivals = _arrival(args, args.rate).arrivals(args.requests, args.replicas, args.balancer,
                                                   np.random.default_rng(args.seed))
-    speed = None if args.static_speed else speed_for(profile, batcher, instances, args.rate / args.replicas)
+    speed = None if args.static_speed else speed_for(profile, batcher, concurrent, args.rate / args.replicas)
     result = simulate(arrivals, batcher, profile, instances, seed=args.seed, lost_wakeup=_lost_wakeup(args.lost_wakeup),
-                      speed=speed)
-    print(f"{path}: {batcher.describe()}, {instances} instance(s); {args.rate:g} req/s over {args.replicas} "
+                      speed=speed, concurrent=concurrent)
+    print(f"{path}: {batcher.describe()}, {instances} instance(s), {concurrent} executing at once; {args.rate:g} req/s over {args.replicas} "
           f"replica(s), {args.arrivals}, {args.balancer}; speed under load: "
           f"{f'trace at {speed.utilization:.0%} (mean factor {speed.mean:.2f})' if speed else 'none (static profile)'}")
     for key, value in result.summary().items():
@@ -203,10 +203,12 @@ def cmd_profile(settings: Settings, args) -> int:
 
 
 def configs_instance_counts(repository: ModelRepository, model: str, names: list[str]) -> list[int]:
-    """The distinct instance counts (ModelConfigView.instance_count: Triton's) of `model`'s configs `names`
-    ("default" or configs/<name>.pbtxt) in `repository`, ascending: the profile validate needs to predict
-    every one. Raises FileNotFoundError for a name the model has no config of."""
-    return sorted({ModelConfigView.from_file(repository.own_config_path(model, name)).instance_count()
+    """The profile tables validate needs to predict `model`'s configs `names` ("default" or
+    configs/<name>.pbtxt) in `repository`: the distinct counts of instances that execute at once
+    (ModelConfigView.concurrent_executions: Triton's instance count, fewer under the rate limiter; each
+    such execution has the cores of one of that many instances), ascending. Raises FileNotFoundError for
+    a name the model has no config of."""
+    return sorted({ModelConfigView.from_file(repository.own_config_path(model, name)).concurrent_executions()
                    for name in names})
 
 

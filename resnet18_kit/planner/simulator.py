@@ -67,7 +67,7 @@ class SimResult:
     latencies_s, queue_s: per completed request after the warm-up (latency includes the overhead).
     throughput_rps: completions (of any request) per second between the first measured arrival and the
         last arrival.
-    utilization: busy fraction of the instances over the same window.
+    utilization: busy fraction of the execution slots (the instances that run at once) over the same window.
     batches: {batch size: executions} after the warm-up.
     done_s: completion time of every request, warm-up included, by arrival index (NaN: refused or timed
         out); what a next stage receives (resnet18_kit/planner/ensemble.py).
@@ -106,13 +106,18 @@ class SimResult:
 def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, instances: int = 1, *,
              sizes: np.ndarray | None = None, timeouts_us: np.ndarray | None = None,
              exec_noise: bool = True, warmup_fraction: float = 0.1, seed: int = 0,
-             lost_wakeup: LostWakeup | None = None, speed: SpeedTrace | None = None) -> SimResult:
+             lost_wakeup: LostWakeup | None = None, speed: SpeedTrace | None = None,
+             concurrent: int | None = None) -> SimResult:
     """Simulate one replica serving requests arriving at `arrivals_s` (sorted, seconds).
 
     sizes: batch size of each request (default 1). timeouts_us: per-request queue timeout asked by the
     client (0 = none; applied as Triton does, see QueuePolicy.timeout_s). The first `warmup_fraction`
     of the requests load the system but are left out of the figures. speed: execution-time factors
     over time (block bootstrap from the first arrival on), None = the profile's times as they are.
+    concurrent: how many of the instances execute at once (Triton's rate limiter; observe.model_config.
+    concurrent_executions), None = all. With fewer, an idle instance still takes a batch from the batcher
+    and holds it until an execution slot frees (first come, first served), and every execution takes the
+    profile's time for `concurrent` instances (each has the cores of one slot).
     """
     arrivals_s = np.asarray(arrivals_s, dtype=float)
     n = arrivals_s.size
@@ -121,7 +126,8 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
     speed_at = speed.sampler(np.random.default_rng(seed + 1)) if speed else None
     start_s = arrivals_s[0] if n else 0.0
     max_batch = config.max_batch_size
-    mean_s, std_s = profile.exec_table_s(max_batch, instances)
+    slots_total = min(concurrent or instances, instances)
+    mean_s, std_s = profile.exec_table_s(max_batch, slots_total)
     shape = np.where(std_s > 0, (mean_s / np.where(std_s > 0, std_s, 1)) ** 2, 0.0)
     policy = config.queue if config.dynamic_batching else None
     max_queue = policy.max_queue_size if policy else 0
@@ -137,7 +143,9 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
     queue: deque[Request] = deque()
     events: list = []  # (time, sequence, kind, payload)
     sequence = 0
-    idle = instances
+    idle = instances  # instances not holding a batch
+    slots = slots_total  # executions that may start now
+    held: deque[list[Request]] = deque()  # batches taken by an instance, waiting for a slot
     timer_generation = sweep_generation = 0
     sweep_pending = False
     stalled_until = -inf  # LostWakeup: the batcher missed a free instance and sleeps until then
@@ -155,7 +163,15 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
         heapq.heappush(events, (time_s, sequence, kind, payload))
 
     def execute(batch: list[Request], now: float) -> None:
-        nonlocal idle, busy_in_window
+        nonlocal idle
+        idle -= 1
+        if slots:
+            start(batch, now)
+        else:
+            held.append(batch)
+
+    def start(batch: list[Request], now: float) -> None:
+        nonlocal slots, busy_in_window
         total = sum(r.size for r in batch)
         if shape[total] > 0 and exec_noise:
             duration = rng.gamma(shape[total], mean_s[total] / shape[total])
@@ -165,7 +181,7 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
             duration *= speed_at(now - start_s)
         for r in batch:
             r.start_s = now
-        idle -= 1
+        slots -= 1
         if batch[0].index >= first_measured:
             batches[total] = batches.get(total, 0) + 1
         busy_in_window += max(0.0, min(now + duration, window_end) - max(now, window_start))
@@ -203,6 +219,9 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
             now, _, kind, payload = heapq.heappop(events)
             if kind == _COMPLETE:
                 idle += 1
+                slots += 1
+                if held:
+                    start(held.popleft(), now)
                 sweep_pending = False  # the wait for a slot ends; a new one restarts the 500 ms
                 if window_start <= now <= window_end:
                     completed_in_window += len(payload)
@@ -245,5 +264,5 @@ def simulate(arrivals_s: np.ndarray, config: BatcherConfig, profile: Profile, in
         latencies_s=measured[answered] + profile.overhead_us / 1e6, queue_s=queued[first_measured:][answered],
         throughput_rps=completed_in_window / window if window > 0 else 0.0,
         offered_rps=(n - first_measured - 1) / window if window > 0 else 0.0,
-        utilization=busy_in_window / (instances * window) if window > 0 else 0.0,
+        utilization=busy_in_window / (slots_total * window) if window > 0 else 0.0,
         batches=dict(sorted(batches.items())), stalls=stalls, done_s=done)

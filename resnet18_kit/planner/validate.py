@@ -51,8 +51,8 @@ def validate_config(repository: ModelRepository, model: str, name: str, profile:
     config's capacity (or `rates`, req/s), >= requests_per_level requests and >= min_level_s s each. One row
     per level; status to progress(message, warning=, step=) (resnet18_kit.progress)."""
     config = ModelConfigView.for_variant(repository, model, name)  # what the server loads under this name
-    batcher, instances = batcher_from_config(config), config.instance_count()
-    capacity = device_capacity_rps(profile, batcher, instances)
+    batcher, instances, concurrent = batcher_from_config(config), config.instance_count(), config.concurrent_executions()
+    capacity = device_capacity_rps(profile, batcher, concurrent)  # the rate limiter's executions bound it
     out = out_dir / name
     out.mkdir(parents=True, exist_ok=True)
     trace_file = out / "trace.json"
@@ -61,7 +61,8 @@ def validate_config(repository: ModelRepository, model: str, name: str, profile:
                                          extra_args=trace_args(trace_file))
     rows, failed = [], []
     segments: list[tuple[int, int | None]] = []  # every attempt in order: (requests served, kept row or None)
-    progress(f"{name}: capacity {capacity:.1f} infer/s ({batcher.describe()}, {instances} instance(s))")
+    progress(f"{name}: capacity {capacity:.1f} infer/s ({batcher.describe()}, {instances} instance(s), "
+             f"{concurrent} executing at once)")
     with EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log") as server:
         http, grpc = server.config.http_url, server.config.grpc_url
         levels = [(rate / capacity, rate) for rate in rates] or [(f, round(f * capacity, 2)) for f in fractions]
@@ -101,7 +102,7 @@ def validate_config(repository: ModelRepository, model: str, name: str, profile:
                          "requests": count, "wall_s": wall_s, "measured": asdict(row), "server": stats,
                          "cpu": cpu_share, "foreign_cpu_before": foreign_before, "attempts": attempt,
                          "perf_analyzer_delayed": delayed, "batcher": batcher.describe(),
-                         "batcher_config": asdict(batcher), "instances": instances,
+                         "batcher_config": asdict(batcher), "instances": instances, "concurrent": concurrent,
                          "level_dir": str(level_dir)})
             progress(f"{name} {fraction:.0%} = {rate:g} req/s: {row.throughput:.1f} infer/s, p50 "
                      f"{row.p50_us / 1e3:.1f} ms, p99 {row.p99_us / 1e3:.1f} ms, batch {stats['average_batch']:.2f}, "

@@ -158,17 +158,18 @@ def timestamps_throughput(export: dict) -> float | None:
 
 def predict(rate_rps: float, batcher, profile: Profile, instances: int, requests: int = 20000, seed: int = 1,
             arrivals_s: np.ndarray | None = None, lost_wakeup: LostWakeup | None = None,
-            speed_under_load: bool = True) -> dict:
+            speed_under_load: bool = True, concurrent: int | None = None) -> dict:
     """The simulation's figures for one level: Poisson at rate_rps, or the given arrival times; with the
-    profile's speed trace nearest to the level's load (rate / capacity) unless speed_under_load is False."""
+    profile's speed trace nearest to the level's load (rate / capacity) unless speed_under_load is False;
+    `concurrent`: instances that execute at once (the rate limiter; None = all)."""
     if arrivals_s is None:
         arrivals_s = Poisson(rate_rps).arrivals(requests, 1, "random", np.random.default_rng(seed))
         warmup = 0.1
     else:
         warmup = 0.0  # perf_analyzer's figures cover every request of the level
-    speed = speed_for(profile, batcher, instances, rate_rps) if speed_under_load else None
+    speed = speed_for(profile, batcher, concurrent or instances, rate_rps) if speed_under_load else None
     result = simulate(arrivals_s, batcher, profile, instances, seed=seed, warmup_fraction=warmup,
-                      lost_wakeup=lost_wakeup, speed=speed)
+                      lost_wakeup=lost_wakeup, speed=speed, concurrent=concurrent)
     summary = {**result.summary(), "speed_utilization": speed.utilization if speed else None,
                "speed_factor": speed.mean if speed else None,
                "queue_p99_ms": float(np.percentile(result.queue_s, 99) * 1e3)
@@ -211,6 +212,7 @@ def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
         if "error" in row:
             continue
         batcher, instances = row_batcher(row), row["instances"]
+        concurrent = row.get("concurrent")  # absent in runs before it was recorded: every instance at once
         traced = [(j, r) for j, r in enumerate(rows) if j != i and (r.get("trace") or {}).get("missed_wakeups")]
         same = [r for j, r in traced if r["config"] == row["config"]]
         others = [r["trace"]["missed_wakeups"] for r in (same or [r for _, r in traced])]
@@ -225,17 +227,19 @@ def add_predictions(rows: list[dict], profile: Profile) -> list[dict]:
             export = {"experiments": []}
         sends, measured_rps = send_times_s(export), timestamps_throughput(export)
         row["measured"]["throughput"] = measured_rps or row["measured"]["throughput_perf_analyzer"]
-        row["speed_factor_measured"] = speed_factor(row.get("trace") or {}, profile, instances)
+        row["speed_factor_measured"] = speed_factor(row.get("trace") or {}, profile, concurrent or instances)
         # Triton loses wake-ups only without payload prefetching, i.e. with a queue policy (docs/capacity.md)
         stalls = batcher.dynamic_batching and batcher.queue.disables_prefetching
         row["lost_wakeup_probability"] = probability if stalls else None
         for suffix, lost_wakeup, speed in (("", LostWakeup(probability) if stalls else None, True),
                                            ("_static", None, False)):
             row["predicted" + suffix] = predict(row["rate_rps"], batcher, profile, instances,
-                                                lost_wakeup=lost_wakeup, speed_under_load=speed)
+                                                lost_wakeup=lost_wakeup, speed_under_load=speed,
+                                                concurrent=concurrent)
             row["predicted_replay" + suffix] = predict(row["rate_rps"], batcher, profile, instances,
                                                        arrivals_s=sends, lost_wakeup=lost_wakeup,
-                                                       speed_under_load=speed) if sends.size > 10 else {}
+                                                       speed_under_load=speed,
+                                                       concurrent=concurrent) if sends.size > 10 else {}
         row["speed_factor_model"] = row["predicted"].get("speed_factor")
     return rows
 
