@@ -12,7 +12,7 @@ import pytest
 from resnet18_kit.planner.arrivals import Bursty, Poisson, Trace
 from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy, Request, form_batch
 from resnet18_kit.planner.profile import BatchTiming, Profile, constant_profile
-from resnet18_kit.planner.search import SearchSpace, Slo, capacity_bound, plan, speed_for
+from resnet18_kit.planner.search import SearchSpace, Slo, capacity_bound, format_plan, p99_trust, plan, speed_for
 from resnet18_kit.planner.simulator import LostWakeup, simulate
 from resnet18_kit.planner.speed import SpeedTrace, window_factors
 
@@ -324,3 +324,14 @@ def test_max_rate_is_the_highest_load_one_device_serves_within_the_slo():
     unbatched = max_rate(constant_profile(100.0, 1), Slo(99, 500), SearchSpace(requests=4000))
     assert 3 < unbatched < 10
     assert max_rate(device, Slo(99, 50), SearchSpace(requests=2000, no_batching=False)) == 0.0
+
+
+def test_a_p99_planned_near_capacity_is_marked_not_trusted():
+    assert p99_trust(0.3)[0] and not p99_trust(0.6)[0] and not p99_trust(0.95)[0]
+    assert "CAUTION" in p99_trust(0.79)[1] and "NOT TRUSTED" in p99_trust(0.8)[1]
+    profile = constant_profile(100.0, 8)  # 80 infer/s per device
+    near = plan(70.0, Slo(99, 2000.0), profile, SearchSpace(max_batch_sizes=(8,), instances=(1,)))
+    assert near.best.devices == 1 and "NOT TRUSTED" in format_plan(near)
+    roomy = plan(70.0, Slo(99, 2000.0), profile,
+                 SearchSpace(max_batch_sizes=(8,), instances=(1,), max_utilization=0.5))
+    assert roomy.best.devices == 2 and "within 25% of the measured" in format_plan(roomy)

@@ -18,7 +18,7 @@ from tritonclient.grpc import model_config_pb2
 from resnet18_kit.observe.model_config import ModelConfigView, read_config
 from resnet18_kit.planner.batcher import BatcherConfig
 from resnet18_kit.planner.profile import Profile
-from resnet18_kit.planner.search import Plan
+from resnet18_kit.planner.search import Plan, p99_trust
 
 
 def planned_config(base: model_config_pb2.ModelConfig, batcher: BatcherConfig, instances: int,
@@ -83,6 +83,7 @@ def write_planned_config(p: Plan, profile: Profile, base_path: Path, path: Path,
               f"Predicted: {d['devices']:,} devices x {best.instances} instance(s); per device "
               f"{d['throughput_rps_per_device']:,.1f} infer/s, p50 {d['p50_ms']:.1f} ms, p99 {d['p99_ms']:.1f} ms, "
               f"busy {d['busy_fraction']:.0%}, average batch {d['average_batch']:.1f}.\n"
+              f"p99 at {d['capacity_used']:.0%} of capacity: {p99_trust(d['capacity_used'])[1]}.\n"
               + ("max_queue_size = requests one device serves within the budget (resnet18_kit/planner/search.py)."
                  if best.batcher.queue.max_queue_size else
                  "No queue policy: Triton prefetches payloads (no lost wake-up, no queue bound)."))
