@@ -216,3 +216,21 @@ def test_default_inputs_are_read_under_the_results_folder(tmp_path):
     write_bench(tmp_path / "results" / "bench-20261122-141100")
     written = figures.generate({}, tmp_path / "out", tmp_path / "results", ("pipeline", "soak"))
     assert set(written) == {"pipeline"}  # no <results>/reliability: the soak figure is skipped
+
+
+def test_validation_folders_are_drawn_together(tmp_path):
+    first = write_validation(tmp_path / "a")
+    second = tmp_path / "b"
+    second.mkdir()
+    (second / "validation.json").write_text(json.dumps([validation_row("int8", 0.7, 200.0, 400.0)]))
+    path, fig = figures.BUILDERS["validation"]([first, second], tmp_path)
+    try:
+        assert path == first / "validation.json"
+        configs = {c.get_gid() for c in fig.axes[0].collections if str(c.get_gid()).startswith("config:")}
+        assert configs == {"config:default", "config:throughput", "config:int8"}
+        assert "2 of 4 levels within ±25%" in fig.axes[0].get_title()
+    finally:
+        plt.close(fig)
+    written = figures.generate({"validation": [first, tmp_path / "absent"]}, tmp_path / "out", tmp_path,
+                               ("validation",))
+    assert written == {}  # a folder that is not there skips the figure, as with one folder

@@ -10,7 +10,7 @@ Each figure is written only when its input exists; one log line per figure says 
       saturation img/s.
   tensor_throughput_vs_p99.png     --tensor DIR: a `resnet18-kit bench run` results folder whose summary.json has
       the tensor sweeps ("configs"): infer/s against p99 ms of resnet18_onnx, one line per config.
-  planner_p99_predicted_vs_measured.png   --validation DIR: a `resnet18-kit plan validate` folder
+  planner_p99_predicted_vs_measured.png   --validation DIR [DIR ...]: `resnet18-kit plan validate` folders
       (validation.json, with predictions). The model's predicted p99 (ms, row "predicted" "p99_ms":
       Poisson arrivals at the level's rate, steady state) against perf_analyzer's measured p99 (ms,
       "measured" "p99_us" / 1000), one marker per config and load level, the y = x line and a +-25 % band.
@@ -284,12 +284,16 @@ def _tensor(folder: Path | None, results: Path) -> tuple[Path, plt.Figure]:
     return path, throughput_vs_p99_figure(summary, title)
 
 
-def _validation(folder: Path | None, results: Path) -> tuple[Path, plt.Figure]:
-    folder = folder or results / "planner" / "validate"
-    path = folder if folder.is_file() else folder / "validation.json"
-    if not path.is_file():
-        raise Skip(f"no {path}")
-    rows, failed, pending = validation_rows(read_json(path))
+def _validation(folders: Path | list[Path] | None, results: Path) -> tuple[Path, plt.Figure]:
+    """The validation figure from one or more `plan validate` folders (or validation.json files), their
+    rows drawn together; the date is the first one's."""
+    folders = folders if isinstance(folders, list) else [folders or results / "planner" / "validate"]
+    paths = [folder if folder.is_file() else folder / "validation.json" for folder in folders]
+    for path in paths:
+        if not path.is_file():
+            raise Skip(f"no {path}")
+    path = paths[0]
+    rows, failed, pending = validation_rows([row for p in paths for row in read_json(p)])
     if not rows:
         raise Skip(f"{path} has no predicted level yet ({pending} measured; a run in progress, or run "
                    f"`resnet18-kit plan validate --predict-only --out {path.parent}`)")
@@ -317,13 +321,15 @@ BUILDERS: dict[str, Callable[[Path | None, Path], tuple[Path, plt.Figure]]] = {
 def generate(inputs: dict[str, Path | None], out_dir: Path, results: Path,
              only: tuple[str, ...] = tuple(FIGURES)) -> dict[str, Path]:
     """Write every figure of `only` whose input exists into out_dir; returns {figure: path written}.
-    inputs: {figure: results folder or file, None for the default under `results` (module doc)}. Missing
+    inputs: {figure: results folder or file (validation: also a list of them), None for the default under
+    `results` (module doc)}. Missing
     inputs are logged and skipped; BadInput for an input that is there but cannot be drawn."""
     written = {}
     for name in only:
         source = inputs.get(name)
-        if source is not None and not source.exists():
-            log.warning("%s: skipped: %s does not exist", FIGURES[name], source)
+        missing = [s for s in (source if isinstance(source, list) else [source]) if s is not None and not s.exists()]
+        if missing:
+            log.warning("%s: skipped: %s does not exist", FIGURES[name], missing[0])
             continue
         try:
             path, fig = BUILDERS[name](source, results)
@@ -355,8 +361,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor", type=Path, metavar="DIR",
                         help="`resnet18-kit bench run` results folder with the tensor sweeps "
                              "(default: the newest <results>/bench-* that has them)")
-    parser.add_argument("--validation", type=Path, metavar="DIR",
-                        help="`resnet18-kit plan validate` folder (default: <results>/planner/validate)")
+    parser.add_argument("--validation", type=Path, nargs="+", metavar="DIR",
+                        help="`resnet18-kit plan validate` folder(s), drawn together "
+                             "(default: <results>/planner/validate)")
     parser.add_argument("--soak", type=Path, metavar="DIR",
                         help="`resnet18-kit reliability soak` folder, or one soak-<time>/ in it "
                              "(default: <results>/reliability)")
