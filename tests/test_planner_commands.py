@@ -176,6 +176,7 @@ def test_validate_profiles_the_instance_counts_of_the_configs_it_validates(repos
 
 @pytest.mark.parametrize("args, named", [
     (["validate", "--configs", "nosuch"], "nosuch.pbtxt"),
+    (["validate", "--configs-from", "{missing}", "--configs", "default"], "--configs-from"),
     (["simulate", "--profile", "{missing}", "--rate", "10"], "missing.json"),
     (["simulate", "--profile", "{not_json}", "--rate", "10"], "not_json.json: not a profile JSON file"),
     (["plan", "--worked-example", "--arrivals", "trace"], "--arrivals trace needs --trace FILE"),

@@ -217,13 +217,19 @@ def cmd_validate(settings: Settings, args) -> int:
     validation.md into --out and prints the tables (starts tritonserver; about 20 minutes by default)."""
     from resnet18_kit.planner.validate_analysis import add_predictions, format_table
 
+    out = Path(args.out or settings.results_dir("planner", "validate"))
     repository = settings.repository
+    if args.configs_from:  # e.g. a planned config and one Model Analyzer chose, served side by side
+        from resnet18_kit.planner.validate_ensemble import scratch_repository
+
+        if not args.configs_from.is_dir():
+            raise FileNotFoundError(f"--configs-from {args.configs_from}: no such folder")
+        repository = scratch_repository(repository, args.configs_from, out / "repository")
     for name in args.configs:  # before minutes of profiling, not after
         try:
             repository.own_config_path(args.model, name)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"--configs {name}: {exc}") from None
-    out = Path(args.out or settings.results_dir("planner", "validate"))
     out.mkdir(parents=True, exist_ok=True)
     if args.predict_only:
         profile = Profile.load(args.profile or out / f"profile-{args.model}.json")
@@ -354,6 +360,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.set_defaults(plan_run=cmd_profile)
         else:
             p.add_argument("--profile", type=Path, help="use this profile instead of measuring one")
+            p.add_argument("--configs-from", type=Path, metavar="DIR",
+                           help="<DIR>/<model>/configs/<name>.pbtxt served too (e.g. `plan plan --out DIR`), "
+                                "from a copy of the model repository under --out")
             p.add_argument("--configs", nargs="+", default=[DEFAULT_VARIANT, "throughput"],
                            help="config names: default (config.pbtxt) or <name> (configs/<name>.pbtxt); "
                                 "default: default throughput")
