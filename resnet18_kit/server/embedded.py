@@ -250,7 +250,7 @@ def check_ports_free(config: ServerConfig) -> None:
 class EmbeddedTritonServer:
     """A tritonserver child process. Use as a context manager, or call start() and stop().
 
-    log_path: where the server's stdout and stderr go; None = this process's stdout/stderr.
+    log_path: where the server's stdout and stderr go (its folder is created); None = this process's stdout/stderr.
     die_with_parent: the server gets SIGTERM when the thread that started it dies, even by SIGKILL
         (Linux PR_SET_PDEATHSIG, through util-linux's `setpriv`), so a killed `serve` leaves no orphan
         server holding the ports: it drains, exits and removes its stubs' shared memory itself. Off by
@@ -278,6 +278,8 @@ class EmbeddedTritonServer:
         names it), ServerStartError when `ready_timeout_s` seconds pass.
         """
         check_ports_free(self.config)
+        if self.log_path:
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         output = open(self.log_path, "ab") if self.log_path else None
         self.started_at = time.monotonic()
         command = server_command(self.config, self.shm_prefix)
