@@ -282,12 +282,12 @@ def max_rate(profile: Profile, slo: Slo, space: SearchSpace = SearchSpace(), ste
 #: How far the p99 the model predicts can be trusted, by the load per device as a fraction of its capacity:
 #: the validation against the real server (docs/capacity.md "Validation"; steady-state predictions of the
 #: single-model configs, 40 levels over two days on the 2-core reference machine) found the p99 within 25%
-#: of the measured on 10 of 11 levels at 30% of capacity, 6 of 11 at 70% and 5 of 17 at 82-95%, where the
+#: of the measured on 10 of 11 levels at 30% of capacity, 7 of 11 at 70% and 5 of 17 at 82-95%, where the
 #: measured p99 itself moved 1.4 to 20 times between runs of the same config at the same load. Throughput
 #: was within 10% on 37 of 40 levels. (upper bound of the load, trusted, what the plan prints)
 P99_TRUST: tuple[tuple[float, bool, str], ...] = (
     (0.5, True, "p99 within 25% of the measured on 10 of 11 validated levels at 30% of capacity"),
-    (0.8, False, "CAUTION: p99 within 25% on 6 of 11 validated levels at 70% of capacity; measure it "
+    (0.8, False, "CAUTION: p99 within 25% on 7 of 11 validated levels at 70% of capacity; measure it "
                  "(resnet18-kit plan validate) or plan below 50% (--max-utilization 0.5)"),
     (math.inf, False, "NOT TRUSTED: p99 within 25% on 5 of 17 validated levels at 82-95% of capacity, where "
                       "the measured p99 moved 1.4-20x between runs; the throughput holds (within 10% on 37 "
