@@ -167,3 +167,18 @@ def test_calibration_makes_the_model_capacity_the_closed_loop_throughput(tmp_pat
     assert capacity_rps(profile, StageConfig(PRE, 2), StageConfig(one_by_one, 1)) == pytest.approx(80.0)
     saved = EnsembleProfile.load(profile.save(tmp_path / "p.json"))
     assert saved.pair(2, 1).shared_factor == pytest.approx(2.5)
+
+
+def test_the_factors_count_in_proportion_to_the_load():
+    """Measured at full load (the stages always overlap), a factor f counts as 1 + (f - 1) x load: not at
+    all with no load, in full at capacity and beyond; the shared factor the same way, on both stages."""
+    from dataclasses import replace
+
+    profile = ensemble_profile(pre_factor=1.5, net_factor=2.0)
+    pair = replace(profile.pair(1, 1), shared_factor=1.2)
+    for load, pre_ms, net_ms in ((0.0, 10.0, 5.0), (0.5, 12.5 * 1.1, 7.5 * 1.1), (1.0, 18.0, 12.0),
+                                 (3.0, 18.0, 12.0)):
+        pre, net = profile.stage_profiles(pair, 4, load)
+        assert pre.exec_s(1, 1) * 1e3 == pytest.approx(pre_ms), load
+        assert pre.exec_s(4, 1) * 1e3 == pytest.approx(4 * pre_ms), load
+        assert net.exec_s(4, 1) * 1e3 == pytest.approx(net_ms), load

@@ -98,12 +98,17 @@ class EnsembleProfile:
         raise KeyError(f"no interference measured for {preprocess_instances} preprocess and "
                        f"{network_instances} network instance(s)")
 
-    def stage_profiles(self, pair: Interference, max_batch: int) -> tuple[Profile, Profile]:
+    def stage_profiles(self, pair: Interference, max_batch: int, load: float = 1.0) -> tuple[Profile, Profile]:
         """(preprocess, network) profiles as they run side by side: preprocess's batch-1 time times b for
         every b up to max_batch, both scaled by the pair's factors; no overhead (the ensemble's is added
-        once), no speed traces."""
+        once), no speed traces. `load` (offered / capacity, 0..1): the factors were measured at full load,
+        where the stages overlap all the time; at a lower load they overlap less, and each factor f
+        counts as 1 + (f - 1) x load (first order in the chance that the other stage is busy)."""
         one = self.preprocess.timings[pair.preprocess_instances][1]
-        f_pre, f_net = pair.preprocess_factor * pair.shared_factor, pair.network_factor * pair.shared_factor
+        share = min(1.0, max(0.0, load))
+        shared = 1 + (pair.shared_factor - 1) * share
+        f_pre = (1 + (pair.preprocess_factor - 1) * share) * shared
+        f_net = (1 + (pair.network_factor - 1) * share) * shared
         pre = {b: BatchTiming(b * one.mean_ms * f_pre, math.sqrt(b) * one.std_ms * f_pre)
                for b in range(1, max_batch + 1)}
         net = {n: {b: BatchTiming(t.mean_ms * f_net, t.std_ms * f_net)
@@ -204,11 +209,12 @@ class EnsembleResult:
 
 def simulate_ensemble(arrivals_s: np.ndarray, profile: EnsembleProfile, preprocess: StageConfig,
                       network: StageConfig, *, seed: int = 0, warmup_fraction: float = 0.1,
-                      lost_wakeup: LostWakeup | None = None) -> EnsembleResult:
-    """The tandem (module doc) for requests of one image arriving at `arrivals_s` (sorted, seconds)."""
+                      lost_wakeup: LostWakeup | None = None, load: float = 1.0) -> EnsembleResult:
+    """The tandem (module doc) for requests of one image arriving at `arrivals_s` (sorted, seconds);
+    `load`: the offered rate over the pair's capacity, for the interference factors (stage_profiles)."""
     arrivals_s = np.asarray(arrivals_s, dtype=float)
     pair = profile.pair(preprocess.instances, network.instances)
-    pre_profile, net_profile = profile.stage_profiles(pair, preprocess.batcher.max_batch_size)
+    pre_profile, net_profile = profile.stage_profiles(pair, preprocess.batcher.max_batch_size, load)
     first = simulate(arrivals_s, preprocess.batcher, pre_profile, preprocess.instances, seed=seed,
                      warmup_fraction=warmup_fraction, lost_wakeup=lost_wakeup)
     passed = np.flatnonzero(~np.isnan(first.done_s))
@@ -296,7 +302,7 @@ def plan_ensemble(target_rps: float, slo: Slo, profile: EnsembleProfile, space: 
             arrivals = Poisson(target_rps).arrivals(space.requests, devices, space.balancer,
                                                     np.random.default_rng(space.seed))
             result = simulate_ensemble(arrivals, profile, c.preprocess, c.network, seed=space.seed,
-                                       lost_wakeup=space.lost_wakeup)
+                                       lost_wakeup=space.lost_wakeup, load=target_rps / devices / c.capacity_rps)
             simulations += 1
             c.result = result
             if (result.refused == 0 and result.percentile_ms(slo.percentile) <= slo.budget_ms

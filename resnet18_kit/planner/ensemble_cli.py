@@ -94,6 +94,14 @@ def cmd_validate_ensemble(settings: Settings, args) -> int:
 
     profile = EnsembleProfile.load(args.profile)
     out = Path(args.out or settings.results_dir("planner", "validate-ensemble"))
+    if args.predict_only:  # the measured levels of an earlier run, predicted again with this code
+        from resnet18_kit.planner.validate_ensemble import predict_again
+
+        rows = predict_again(json.loads((out / "validation-ensemble.json").read_text()), profile, out)
+        (out / "validation-ensemble.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
+        (out / "validation-ensemble.md").write_text(format_table(rows) + "\n")
+        print(format_table(rows))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     if args.configs_from and not args.configs_from.is_dir():
         raise FileNotFoundError(f"--configs-from {args.configs_from}: no such folder")
@@ -160,4 +168,6 @@ def add_ensemble_commands(sub, subcommand) -> None:
     p.add_argument("--requests-per-level", type=int, default=400, help="requests per level, at least")
     p.add_argument("--min-level-s", type=float, default=10.0, help="seconds per level, at least")
     p.add_argument("--out", type=Path, help="results folder (default <results>/planner/validate-ensemble)")
+    p.add_argument("--predict-only", action="store_true",
+                   help="predict the levels measured in --out again (no server), e.g. after a model change")
     p.set_defaults(plan_run=cmd_validate_ensemble)

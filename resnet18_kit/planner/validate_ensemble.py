@@ -73,7 +73,7 @@ def capacity_rps(profile: EnsembleProfile, pre: StageConfig, net: StageConfig) -
 
 def predict(profile: EnsembleProfile, pre: StageConfig, net: StageConfig, rate_rps: float, seed: int = 1) -> dict:
     arrivals = Poisson(rate_rps).arrivals(PREDICTED_REQUESTS, 1, "round_robin", np.random.default_rng(seed))
-    result = simulate_ensemble(arrivals, profile, pre, net, seed=seed)
+    result = simulate_ensemble(arrivals, profile, pre, net, seed=seed, load=rate_rps / capacity_rps(profile, pre, net))
     return {"throughput": result.throughput_rps, "p50_ms": result.percentile_ms(50),
             "p99_ms": result.percentile_ms(99), "refused": result.refused}
 
@@ -119,6 +119,16 @@ def validate_ensemble(source: ModelRepository, profile: EnsembleProfile, names: 
                 row["predicted"] = predict(profile, pre, net, rate)
                 rows.append(row)
                 progress(format_row(row), step=True)
+    return rows
+
+
+def predict_again(rows: list[dict], profile: EnsembleProfile, out: Path) -> list[dict]:
+    """The rows of an earlier `validate_ensemble` into `out`, each level predicted again from `profile`
+    with the configs as served then (the copy of the repository it left in <out>/repository)."""
+    repository = ModelRepository(out / "repository")
+    for row in rows:
+        pre, net = served_stages(repository, row["config"])
+        row["predicted"] = predict(profile, pre, net, row["rate_rps"])
     return rows
 
 
