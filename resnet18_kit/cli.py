@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from resnet18_kit.settings import LOG_LEVELS, Settings, SettingsError
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     from resnet18_kit.progress import setup_logging
 
     setup_logging(command, settings.log_level)
+    terminated: list[int] = []
+    previous = _sigterm_unwinds(terminated)
     try:
         status = args._run(settings, args)
     except ModuleNotFoundError as exc:
@@ -165,9 +168,35 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return missing_extra(command, exc)
     except KeyboardInterrupt:
-        print(f"{PROG} {command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{PROG} {command}: {'stopped by SIGTERM' if terminated else 'interrupted'}; what it had "
+              f"started is stopped", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0 if status is None else int(status)
+
+
+def _sigterm_unwinds(terminated: list[int]):
+    """SIGTERM (kill, a container or job stop) unwinds a command as Ctrl-C does: KeyboardInterrupt from
+    where the main thread is, so the `with` blocks that hold a tritonserver or a perf_analyzer stop them
+    and their shared memory goes with them (without this the default action ends the process at once and
+    leaves its server running). The first SIGTERM is recorded in `terminated` and raises; later ones are
+    ignored, so they cannot cut that clean-up short. serve and fleet install their own handlers over this
+    one for as long as they run (resnet18_kit/server/stop.py). Returns the previous handler (None when not
+    on the main thread, where no handler can be set)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def unwind(signum, frame):
+        if terminated:
+            return
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, unwind)
 
 
 def missing_extra(command: str, exc: ModuleNotFoundError) -> int:

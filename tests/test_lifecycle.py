@@ -212,3 +212,36 @@ def test_impossible_ports_are_refused_before_anything_starts(ports, message):
     http, grpc, metrics = ports
     with pytest.raises(ConfigurationError, match=message):
         check_ports_free(ServerConfig(http_port=http, grpc_port=grpc, metrics_port=metrics))
+
+
+def test_a_batch_command_stopped_by_sigterm_stops_the_server_it_started(tmp_path):
+    """`plan profile` (any command holding a tritonserver in a `with` block) gets SIGTERM while its server
+    runs: it exits 143 with one line saying so, and its tritonserver, stubs and shared memory are gone
+    (the default action used to end the command at once and leave its server running)."""
+    from resnet18_kit.observe.processes import child_processes
+
+    kit = os.path.join(os.path.dirname(sys.executable), "resnet18-kit")
+    proc = subprocess.Popen([kit, "plan", "profile", "--instances", "1", "--batch-sizes", "1", "--no-speed",
+                             "--executions", "400", "--out", str(tmp_path / "profile")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, server = time.monotonic() + 120, None
+        while server is None and time.monotonic() < deadline and proc.poll() is None:
+            server = next((pid for pid, argv in child_processes(proc.pid)
+                           if argv and argv[0].endswith("tritonserver")), None)
+            time.sleep(0.2)
+        assert server is not None, "plan profile never started its tritonserver"
+        prefix = f"{PYTHON_BACKEND_SHM_PREFIX}{proc.pid}x"
+        while not python_backend_regions(prefix) and time.monotonic() < deadline:
+            time.sleep(0.2)  # its stubs are up: there is shared memory to leave behind
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # a second one (make, Kubernetes) must not cut the clean-up short
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stderr
+    assert "resnet18-kit plan: stopped by SIGTERM; what it had started is stopped" in stderr.splitlines()[-1]
+    assert not os.path.exists(f"/proc/{server}"), "its tritonserver outlived it"
+    assert python_backend_regions(prefix) == []

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy
-from resnet18_kit.planner.ensemble import (EnsembleProfile, Interference, StageConfig, plan_ensemble,
-                                           simulate_ensemble)
+from resnet18_kit.planner.ensemble import (EnsembleProfile, Interference, StageConfig, format_ensemble_plan,
+                                           plan_ensemble, simulate_ensemble)
 from resnet18_kit.planner.profile import BatchTiming, Profile
 from resnet18_kit.planner.search import SearchSpace, Slo
 
@@ -75,6 +75,8 @@ def test_the_plan_takes_the_instances_the_load_needs_and_names_the_bottleneck():
     assert best.preprocess.instances == 2 and best.bottleneck == "preprocess"
     assert best.capacity_rps == pytest.approx(2 / 0.016)
     assert best.result.percentile_ms(99) <= 500
+    # 70 of 125/s: the printed plan says its p99 is a caution, from the validation's hit rates
+    assert "p99 at 56% of capacity: CAUTION" in format_ensemble_plan(result, profile)
 
 
 def test_a_profile_without_a_stage_or_pair_is_refused_by_name(tmp_path):

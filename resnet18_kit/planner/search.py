@@ -296,10 +296,10 @@ P99_TRUST: tuple[tuple[float, bool, str], ...] = (
 )
 
 
-def p99_trust(capacity_used: float) -> tuple[bool, str]:
+def p99_trust(capacity_used: float, table: tuple[tuple[float, bool, str], ...] = P99_TRUST) -> tuple[bool, str]:
     """(trusted, why) for a p99 predicted at `capacity_used` (throughput / device capacity, 0..1), from
-    P99_TRUST (the validation's measured hit rates)."""
-    return next((trusted, why) for bound, trusted, why in P99_TRUST if capacity_used < bound)
+    `table` (the validation's measured hit rates: (upper bound of the load, trusted, text) rows)."""
+    return next((trusted, why) for bound, trusted, why in table if capacity_used < bound)
 
 
 def format_plan(p: Plan) -> str:

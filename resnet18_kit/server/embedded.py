@@ -16,6 +16,7 @@ What a start guarantees (docs/reliability.md "Faults"):
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -380,10 +381,8 @@ class EmbeddedTritonServer:
                     self.process.wait(0.1)
                 except subprocess.TimeoutExpired:
                     pass
-        try:  # a server past its drain, or stubs left behind by a killed server
+        with contextlib.suppress(ProcessLookupError):  # a server past its drain, or stubs of a killed one
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.process.wait()
         self.remove_shared_memory()
         return self.process.returncode
