@@ -97,6 +97,9 @@ def cmd_validate_ensemble(settings: Settings, args) -> int:
     if args.predict_only:  # the measured levels of an earlier run, predicted again with this code
         from resnet18_kit.planner.validate_ensemble import predict_again
 
+        if not (out / "validation-ensemble.json").is_file():
+            raise FileNotFoundError(f"--predict-only: no earlier run in {out} (validation-ensemble.json); "
+                                    f"run without --predict-only first")
         rows = predict_again(json.loads((out / "validation-ensemble.json").read_text()), profile, out)
         (out / "validation-ensemble.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
         (out / "validation-ensemble.md").write_text(format_table(rows) + "\n")
