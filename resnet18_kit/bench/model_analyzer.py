@@ -34,8 +34,10 @@ measured nothing for a model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -54,6 +56,8 @@ CONCURRENCY = (4, 8, 16)
 #: p99 budget (ms) per model: Model Analyzer's perf_latency_p99 constraint (module doc).
 P99_BUDGET_MS = {ONNX_MODEL: 200.0, ENSEMBLE_MODEL: 500.0}
 QUICK_CONCURRENCY = (4,)
+#: Seconds Model Analyzer gets after SIGINT to stop its servers itself, before SIGKILL (run_model_analyzer).
+STOP_GRACE_S = 20.0
 
 
 class ModelAnalyzerError(RuntimeError):
@@ -218,8 +222,7 @@ def profile_one(binary: Path, repository: Path, out: Path, model: str, quick: bo
     print(f"model-analyzer: profiling {model} (log: {shown(log_path)})", file=sys.stderr, flush=True)
     started = time.monotonic()
     with log_path.open("w") as log:
-        status = subprocess.run([str(binary), "profile", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                env=env).returncode
+        status = run_model_analyzer([str(binary), "profile", "-f", str(config)], log, env)
     if status != 0:
         raise ModelAnalyzerError(f"model-analyzer profile of {model} failed (status {status}): {last_error(log_path)}")
     profile_s = time.monotonic() - started
@@ -228,12 +231,32 @@ def profile_one(binary: Path, repository: Path, out: Path, model: str, quick: bo
     if best is None:
         return rows, None, profile_s
     with log_path.open("a") as log:
-        status = subprocess.run([str(binary), "report", "-e", str(folder / "export"), "--checkpoint-directory",
-                                 str(folder / "checkpoints"), "--report-model-configs", best.split(":")[0]],
-                                stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        status = run_model_analyzer([str(binary), "report", "-e", str(folder / "export"), "--checkpoint-directory",
+                                     str(folder / "checkpoints"), "--report-model-configs", best.split(":")[0]],
+                                    log, env)
     if status != 0:
         raise ModelAnalyzerError(f"model-analyzer report of {model} failed (status {status}): {last_error(log_path)}")
     return rows, best, profile_s
+
+
+def run_model_analyzer(command: list[str], log, env: dict) -> int:
+    """Run a Model Analyzer step (its output to `log`) in a session of its own; its exit status. Model
+    Analyzer starts tritonservers of its own: when this command is interrupted (Ctrl-C, or SIGTERM as
+    resnet18_kit/cli.py turns it into one) it gets SIGINT and STOP_GRACE_S seconds to stop them itself,
+    then its whole session gets SIGKILL; the interrupt goes on (its shared memory is removed by `run`)."""
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
 
 
 def check_models(repository: Path, models: list[str]) -> None:
