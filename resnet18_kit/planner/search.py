@@ -93,6 +93,10 @@ class Candidate:
 
     #: ceil(target / capacity): the devices if each could run at 100% (the textbook figure).
     devices_at_full_load: int = 0
+    #: p99 (ms) of the same devices simulated with the closed-loop table alone, no speed under load
+    #: (`plan` sets it for the best candidate when the search used the speed traces): the other end of
+    #: the range P99_RANGE_NOTE speaks of.
+    p99_static_ms: float | None = None
 
     @property
     def feasible(self) -> bool:
@@ -108,7 +112,8 @@ class Candidate:
                 "p50_ms": r.percentile_ms(50), "p99_ms": r.percentile_ms(99),
                 f"p{slo.percentile:g}_ms": r.percentile_ms(slo.percentile),
                 "busy_fraction": r.utilization, "capacity_used": r.throughput_rps / self.capacity_rps,
-                "average_batch": r.average_batch, "refused": r.refused, "timed_out": r.timed_out}
+                "average_batch": r.average_batch, "refused": r.refused, "timed_out": r.timed_out,
+                "p99_static_ms": self.p99_static_ms}
 
 
 @dataclass
@@ -260,6 +265,9 @@ def plan(target_rps: float, slo: Slo, profile: Profile, space: SearchSpace = Sea
         lowest = min(c.result.percentile_ms(slo.percentile) for c in feasible)
         close = [c for c in feasible if c.result.percentile_ms(slo.percentile) <= lowest * (1 + LATENCY_TIE)]
         best = min(close, key=lambda c: (c.batcher.max_queue_delay_us, c.instances, c.batcher.max_batch_size))
+        if space.speed_under_load:  # the other end of the range: the machine as fast as in the table
+            best.p99_static_ms = evaluate(best, best.devices, target_rps, profile,
+                                          replace(space, speed_under_load=False), arrival).percentile_ms(99)
     description = (arrival.describe() if arrival else Poisson(target_rps).describe())
     return Plan(target_rps, slo, best, baseline, candidates, f"{description}, {space.balancer} balancer")
 
@@ -296,6 +304,12 @@ P99_TRUST: tuple[tuple[float, bool, str], ...] = (
 )
 
 
+#: What the two predictions of a p99 (with and without the profile's slowdowns under load) told of the
+#: measured one in the 2026-11-24 validation (docs/capacity.md): within 25% of the range they span on 11
+#: of 12 levels; the wider the range, the less either end alone can be relied on.
+P99_RANGE_NOTE = "the measured p99 fell in that range (+-25%) on 11 of 12 validated levels"
+
+
 def p99_trust(capacity_used: float, table: tuple[tuple[float, bool, str], ...] = P99_TRUST) -> tuple[bool, str]:
     """(trusted, why) for a p99 predicted at `capacity_used` (throughput / device capacity, 0..1), from
     `table` (the validation's measured hit rates: (upper bound of the load, trusted, text) rows)."""
@@ -327,6 +341,8 @@ def format_plan(p: Plan) -> str:
             f"  latency: p50 {d['p50_ms']:,.1f} ms, p99 {d['p99_ms']:,.1f} ms "
             f"(SLO p{p.slo.percentile:g} <= {p.slo.budget_ms:g} ms)",
             f"  p99 at {d['capacity_used']:.0%} of capacity: {p99_trust(d['capacity_used'])[1]}",
+            *([f"  p99 {d['p99_ms']:,.1f} ms with the profile's slowdowns under load, {d['p99_static_ms']:,.1f} ms "
+               f"without them: {P99_RANGE_NOTE}"] if d.get("p99_static_ms") is not None else []),
             f"  fleet: predicted throughput {d['throughput_rps_per_device'] * d['devices']:,.0f} infer/s",
         ]
     if p.best is not None and p.best.batcher.dynamic_batching:
