@@ -234,3 +234,23 @@ def test_validation_folders_are_drawn_together(tmp_path):
     written = figures.generate({"validation": [first, tmp_path / "absent"]}, tmp_path / "out", tmp_path,
                                ("validation",))
     assert written == {}  # a folder that is not there skips the figure, as with one folder
+
+
+def test_validation_draws_the_rules_alone_and_the_range_the_planner_prints(tmp_path):
+    """Each level: the model's p99 filled, the documented rules alone hollow on the same x, a line between;
+    the title counts both and the levels whose range comes within 25% of the measured p99."""
+    rows = [validation_row("default", 0.3, 100.0, 200.0), validation_row("default", 0.7, 100.0, 300.0)]
+    rows[0]["predicted_static"] = {**rows[0]["predicted"], "p99_ms": 110.0}  # rules within, the model not
+    rows[1]["predicted_static"] = {**rows[1]["predicted"], "p99_ms": 140.0}  # neither, nor the range
+    fig = figures.validation_figure(rows, "2026-11-24")
+    try:
+        ax = fig.axes[0]
+        (hollow,) = [c for c in ax.collections if c.get_gid() == "rules:default"]
+        assert sorted(tuple(p) for p in hollow.get_offsets()) == [(100.0, 110.0), (100.0, 140.0)]
+        segments = sorted(sorted(line.get_ydata()) for line in ax.get_lines() if line.get_gid() == "range:default")
+        assert segments == [[110.0, 200.0], [140.0, 300.0]]
+        title = ax.get_title()
+        assert "0 of 2 levels within ±25%" in title and "rules alone, 1 of 2" in title and "on 1 of 2" in title
+    finally:
+        plt.close(fig)
+    assert figures.in_band_of_range(100.0, 60.0, 70.0) is False and figures.in_band_of_range(100.0, 60.0, 400.0)

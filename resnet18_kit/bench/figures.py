@@ -13,7 +13,8 @@ Each figure is written only when its input exists; one log line per figure says 
   planner_p99_predicted_vs_measured.png   --validation DIR [DIR ...]: `resnet18-kit plan validate` folders
       (validation.json, with predictions). The model's predicted p99 (ms, row "predicted" "p99_ms":
       Poisson arrivals at the level's rate, steady state) against perf_analyzer's measured p99 (ms,
-      "measured" "p99_us" / 1000), one marker per config and load level, the y = x line and a +-25 % band.
+      "measured" "p99_us" / 1000), one marker per config and load level, the y = x line and a +-25 % band;
+      hollow markers: the documented rules alone ("predicted_static"), joined to the model's by a line.
   soak_p99_memory.png              --soak DIR: a `resnet18-kit reliability soak` output folder (its soak.json, or the
       newest soak-*/soak.json under it). Top: p50 and p99 latency of the answered requests per minute
       (ms); bottom: resident memory growth since the start (MiB) of tritonserver, each Python-backend stub
@@ -177,15 +178,25 @@ def validation_rows(rows) -> tuple[list[dict], int, int]:
     return done, failed, len(rows) - failed - len(done)
 
 
+def in_band_of_range(measured: float, a: float, b: float, band: float = P99_BAND) -> bool:
+    """Whether some p99 between the two predictions a and b is within `band` of the measured one
+    (|p / measured - 1| <= band): min(a, b) <= (1 + band) x measured and max(a, b) >= (1 - band) x measured."""
+    return min(a, b) <= (1 + band) * measured and max(a, b) >= (1 - band) * measured
+
+
 def validation_figure(rows: list[dict], date: str) -> plt.Figure:
-    """Predicted p99 (ms, y) against measured p99 (ms, x), log-log, one marker per validation row
-    (colour and shape per config, labelled with its load as a fraction of capacity), the y = x line and
-    the band y = (1 +- P99_BAND) x. Rows: validation.json's with "predicted" (`validation_rows`)."""
-    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    """Predicted p99 (ms, y) against measured p99 (ms, x), log-log, one filled marker per validation row
+    for the model (row "predicted": speed under load, lost wake-up; colour and shape per config, labelled
+    with its load as a fraction of capacity), and where the row has one, a hollow marker for the documented
+    rules alone ("predicted_static") joined to it by a line: the range `resnet18-kit plan plan` prints. The
+    y = x line and the band y = (1 +- P99_BAND) x. Rows: validation.json's with "predicted" (`validation_rows`)."""
+    fig, ax = plt.subplots(figsize=(6.8, 5.6))
     configs = list(dict.fromkeys(r["config"] for r in rows))
     points = [(r["measured"]["p99_us"] / 1000, r["predicted"]["p99_ms"]) for r in rows]
-    low = min(min(p) for p in points) / 1.4
-    high = max(max(p) for p in points) * 1.4
+    rules = [(r["measured"]["p99_us"] / 1000, (r.get("predicted_static") or {}).get("p99_ms")) for r in rows]
+    drawn = [p for p in points + rules if p[1] is not None]
+    low = min(min(p) for p in drawn) / 1.4
+    high = max(max(p) for p in drawn) * 1.4
     edge_x = [low, high]
     ax.fill_between(edge_x, [x * (1 - P99_BAND) for x in edge_x], [x * (1 + P99_BAND) for x in edge_x],
                     color="0.85", label=f"±{P99_BAND:.0%} of measured", gid="band")
@@ -193,12 +204,26 @@ def validation_figure(rows: list[dict], date: str) -> plt.Figure:
     ax.plot(edge_x, [x * (1 - P99_BAND) for x in edge_x], color="0.6", linewidth=0.8, gid="band_lower")
     ax.plot(edge_x, edge_x, color="0.3", linewidth=1, label="predicted = measured", gid="identity")
     for i, config in enumerate(configs):
-        mine = [(r, p) for r, p in zip(rows, points) if r["config"] == config]
-        ax.scatter([p[0] for _, p in mine], [p[1] for _, p in mine], marker="osD^v<>"[i % 7], color=f"C{i}",
+        mine = [(r, p, q) for r, p, q in zip(rows, points, rules) if r["config"] == config]
+        marker = "osD^v<>"[i % 7]
+        ax.scatter([p[0] for _, p, _ in mine], [p[1] for _, p, _ in mine], marker=marker, color=f"C{i}",
                    zorder=3, label=config, gid=f"config:{config}")
-        for row, (x, y) in mine:
+        static = [q for _, _, q in mine if q[1] is not None]
+        if static:
+            ax.scatter([q[0] for q in static], [q[1] for q in static], marker=marker, facecolors="none",
+                       edgecolors=f"C{i}", zorder=3, gid=f"rules:{config}")
+        for row, (x, y), (_, y_rules) in mine:
+            if y_rules is not None:
+                ax.plot([x, x], [y, y_rules], color=f"C{i}", linewidth=0.8, alpha=0.6, gid=f"range:{config}")
             ax.annotate(f"{row['fraction']:.0%}", (x, y), fontsize=7, textcoords="offset points", xytext=(4, -3))
     within = sum(abs(y / x - 1) <= P99_BAND for x, y in points)
+    paired = [(x, y, y_rules) for (x, y), (_, y_rules) in zip(points, rules) if y_rules is not None]
+    rules_line = ""
+    if paired:
+        rules_within = sum(abs(y_rules / x - 1) <= P99_BAND for x, _, y_rules in paired)
+        in_range = sum(in_band_of_range(x, y, y_rules) for x, y, y_rules in paired)
+        rules_line = (f"\nhollow: the documented rules alone, {rules_within} of {len(paired)}; the range between "
+                      f"the two within ±{P99_BAND:.0%} on {in_range} of {len(paired)}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     _plain_log_axis(ax.xaxis)
@@ -208,7 +233,8 @@ def validation_figure(rows: list[dict], date: str) -> plt.Figure:
     ax.set_xlabel("measured p99 (ms, perf_analyzer, Poisson arrivals)")
     ax.set_ylabel("predicted p99 (ms, planner simulation)")
     ax.set_title(f"capacity planner: predicted vs measured p99, {within} of {len(points)} levels within "
-                 f"±{P99_BAND:.0%}\nlabels: load as a fraction of capacity (measured {date})", fontsize=10)
+                 f"±{P99_BAND:.0%} (filled: the model){rules_line}\nlabels: load as a fraction of capacity "
+                 f"(measured {date})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")  # clear of the markers
     fig.tight_layout()
