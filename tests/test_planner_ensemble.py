@@ -117,8 +117,8 @@ def test_the_plan_writes_both_stages_configs(tmp_path):
 def test_the_served_stages_of_a_config_name_as_tritonserver_picks_them(tmp_path):
     """validate-ensemble's scratch repository: the shipped configs plus a planned one; under "int8" the
     network runs 2 single-thread instances at once and preprocess (no configs/int8.pbtxt) its config.pbtxt's
-    3; under "default" the rate limiter lets one network instance run at a time; a planned name serves the
-    planned files of both stages."""
+    3; under "default" the network has 2 instances and the rate limiter lets one run at a time; a planned
+    name serves the planned files of both stages."""
     from resnet18_kit.planner.validate_ensemble import scratch_repository, served_stages
     from resnet18_kit.settings import Settings
 
@@ -129,9 +129,9 @@ def test_the_served_stages_of_a_config_name_as_tritonserver_picks_them(tmp_path)
                    check=True, capture_output=True, timeout=300)
     repository = scratch_repository(source, tmp_path / "out", tmp_path / "scratch")
     pre, net = served_stages(repository, "int8")
-    assert (pre.instances, net.instances) == (3, 2)
+    assert (pre.instances, net.instances, net.slots) == (3, 2, 2)
     pre, net = served_stages(repository, "default")
-    assert (pre.instances, net.instances) == (3, 1)
+    assert (pre.instances, net.instances, net.slots) == (3, 2, 1)
     pre, net = served_stages(repository, "p70")
     assert (pre.instances, net.instances) == (2, 1) and net.batcher.max_batch_size == 4
     assert (source.root / "resnet18_onnx" / "configs" / "p70.pbtxt").exists() is False
@@ -184,3 +184,58 @@ def test_the_factors_count_in_proportion_to_the_load():
         assert pre.exec_s(1, 1) * 1e3 == pytest.approx(pre_ms), load
         assert pre.exec_s(4, 1) * 1e3 == pytest.approx(4 * pre_ms), load
         assert net.exec_s(4, 1) * 1e3 == pytest.approx(net_ms), load
+
+
+def test_rate_limited_network_instances_execute_one_at_a_time_and_the_second_holds_a_batch():
+    """The shipped network config: two instances, one executing at a time (the rate limiter). It runs on
+    the pair measured with one instance executing (no (p, 2) pair needed), with that pair's capacity. Busy
+    all the time (150 photos/s, 40 ms a batch), the idle instance takes what queued during the running
+    execution, the batch one instance would form, and holds it until the slot frees: every request waits
+    one execution more than with one instance (p50 and p99 + 40 ms)."""
+    from resnet18_kit.planner.validate_ensemble import capacity_rps
+
+    profile = ensemble_profile(pre_ms=5.0, net_ms=40.0)
+    network = BatcherConfig(max_batch_size=16)
+    pre = StageConfig(replace_queue(PRE, 0), 2)
+    arrivals = np.cumsum(np.random.default_rng(5).exponential(1 / 150.0, 6000))
+    alone = simulate_ensemble(arrivals, profile, pre, StageConfig(network, 1))
+    limited = simulate_ensemble(arrivals, profile, pre, StageConfig(network, 2, concurrent=1))
+    assert StageConfig(network, 2, concurrent=1).slots == 1 and StageConfig(network, 2).slots == 2
+    assert capacity_rps(profile, pre, StageConfig(network, 2, concurrent=1)) == pytest.approx(
+        capacity_rps(profile, pre, StageConfig(network, 1)))
+    for result in (alone, limited):
+        assert result.refused == 0 and result.throughput_rps > 0.97 * result.offered_rps
+    assert limited.stages[1].average_batch == pytest.approx(alone.stages[1].average_batch, rel=0.05)
+    for p in (50, 99):
+        assert limited.percentile_ms(p) - alone.percentile_ms(p) == pytest.approx(40.0, abs=5.0)
+    with pytest.raises(KeyError, match="2 network"):
+        simulate_ensemble(arrivals, profile, pre, StageConfig(network, 2))
+
+
+def test_the_ensemble_level_throughput_comes_from_the_trace_of_the_requests_in_its_window(tmp_path):
+    """Triton's trace as the server writes it (one entry per timestamp, the composing models' records
+    beside the ensemble's, which has no COMPUTE_*): the ensemble's requests are read, the ones received
+    inside the level's window counted, over the span from the first start to the last end."""
+    from resnet18_kit.planner.validate_analysis import read_traces
+    from resnet18_kit.planner.validate_ensemble import traced_throughput
+
+    entries, ms = [], 1_000_000
+    for i in range(10):  # 10 ensemble requests, one every 100 ms from t = 1 s, each answered 50 ms later
+        start = 1000 * ms + i * 100 * ms
+        ens, pre = 3 * i + 1, 3 * i + 2
+        entries += [{"id": ens, "model_name": "resnet18", "model_version": 1},
+                    {"id": pre, "model_name": "preprocess", "model_version": 1, "parent_id": ens}]
+        for name, ns in (("REQUEST_START", start), ("QUEUE_START", start + ms), ("REQUEST_END", start + 50 * ms)):
+            entries.append({"id": ens, "timestamps": [{"name": name, "ns": ns}]})
+        for name in ("REQUEST_START", "QUEUE_START", "COMPUTE_START", "REQUEST_END"):
+            entries.append({"id": pre, "timestamps": [{"name": name, "ns": start + 2 * ms}]})
+    (tmp_path / "trace.json.0").write_text(json.dumps(entries[: len(entries) // 2]))
+    (tmp_path / "trace.json.1").write_text(json.dumps(entries[len(entries) // 2:]))
+    trace = tmp_path / "trace.json"
+    assert read_traces(trace, "resnet18") == []  # the default asks for COMPUTE_START: none in an ensemble's record
+    ensemble = read_traces(trace, "resnet18", ("REQUEST_START", "QUEUE_START", "REQUEST_END"))
+    assert len(ensemble) == 10 and len(read_traces(trace, "preprocess")) == 10
+    # The window holds requests 2..6 (started 1.2 s to 1.6 s): 5 requests from 1.2 s to 1.65 s.
+    throughput, count = traced_throughput(ensemble, 1150 * ms, 1620 * ms)
+    assert count == 5 and throughput == pytest.approx(5 / 0.45)
+    assert traced_throughput(ensemble, 0, 10 * ms) == (0.0, 0)

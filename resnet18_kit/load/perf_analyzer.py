@@ -351,8 +351,20 @@ def run_perf_analyzer(cmd: list[str], out_dir: Path, timeout_s: float, hang_s: f
 RESNET18_LOGITS_BYTES = LOGITS_BYTES  # one row of the network's output, FP32 x 1000
 
 
+def error_summary(message: str) -> str:
+    """One line for a perf_analyzer failure: the message's last non-blank line (perf_analyzer's own last
+    error, e.g. "Thread [3] had error: ... Exceeds maximum queue size" when Triton refused requests; its
+    log ends in blank lines), or "" for an empty message."""
+    return next((line.strip() for line in reversed(message.splitlines()) if line.strip()), "")
+
+
 class PerfAnalyzerError(RuntimeError):
-    """perf_analyzer exited non-zero (e.g. no stable measurement); the message carries its log tail."""
+    """perf_analyzer exited non-zero (e.g. no stable measurement, requests refused); the message carries
+    its log tail, `summary` its last error line."""
+
+    @property
+    def summary(self) -> str:
+        return error_summary(str(self))
 
 
 def run_level(model: str, url: str, protocol: str, load: LoadSpec, level: float, out_dir: Path,

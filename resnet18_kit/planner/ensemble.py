@@ -179,18 +179,27 @@ def calibrated(profile: EnsembleProfile, preprocess_batcher: BatcherConfig, netw
 
 @dataclass(frozen=True)
 class StageConfig:
-    """One stage's serving config: its batcher and instance count."""
+    """One stage's serving config: its batcher, its instance count and how many of them execute at once
+    (Triton's rate limiter; observe.model_config.concurrent_executions; None = all). The interference
+    pair and the execution times are those of `slots` instances running together; an instance beyond
+    the slots takes a batch and holds it until a slot frees (planner.simulator.simulate's `concurrent`)."""
 
     batcher: BatcherConfig
     instances: int
+    concurrent: int | None = None
+
+    @property
+    def slots(self) -> int:
+        """Executions at once: min(concurrent, instances)."""
+        return min(self.concurrent or self.instances, self.instances)
 
 
 def stage_capacity_rps(profile: Profile, stage: StageConfig) -> float:
     """Inferences/s the stage can execute with every instance busy (planner.search.device_capacity_rps
     without a server ceiling)."""
     if not stage.batcher.dynamic_batching:
-        return stage.instances / profile.exec_s(1, stage.instances)
-    return profile.device_throughput(stage.batcher.max_batch_size, stage.instances)
+        return stage.slots / profile.exec_s(1, stage.slots)
+    return profile.device_throughput(stage.batcher.max_batch_size, stage.slots)
 
 
 @dataclass
@@ -215,14 +224,14 @@ def simulate_ensemble(arrivals_s: np.ndarray, profile: EnsembleProfile, preproce
     """The tandem (module doc) for requests of one image arriving at `arrivals_s` (sorted, seconds);
     `load`: the offered rate over the pair's capacity, for the interference factors (stage_profiles)."""
     arrivals_s = np.asarray(arrivals_s, dtype=float)
-    pair = profile.pair(preprocess.instances, network.instances)
+    pair = profile.pair(preprocess.slots, network.slots)
     pre_profile, net_profile = profile.stage_profiles(pair, preprocess.batcher.max_batch_size, load)
     first = simulate(arrivals_s, preprocess.batcher, pre_profile, preprocess.instances, seed=seed,
-                     warmup_fraction=warmup_fraction, lost_wakeup=lost_wakeup)
+                     warmup_fraction=warmup_fraction, lost_wakeup=lost_wakeup, concurrent=preprocess.concurrent)
     passed = np.flatnonzero(~np.isnan(first.done_s))
     order = passed[np.argsort(first.done_s[passed], kind="stable")]
     second = simulate(first.done_s[order], network.batcher, net_profile, network.instances, seed=seed + 7,
-                      warmup_fraction=0.0, lost_wakeup=lost_wakeup)
+                      warmup_fraction=0.0, lost_wakeup=lost_wakeup, concurrent=network.concurrent)
     end_s = np.full(arrivals_s.size, np.nan)
     end_s[order] = second.done_s
     n_first = int(arrivals_s.size * warmup_fraction)

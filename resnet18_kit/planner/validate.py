@@ -21,7 +21,7 @@ from pathlib import Path
 
 from resnet18_kit.contract import DEFAULT_VARIANT
 from resnet18_kit.load.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError,
-                                             run_level)
+                                             error_summary, run_level)
 from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.observe.statistics import model_statistics, statistics_delta
 from resnet18_kit.planner.batcher import batcher_from_config
@@ -92,7 +92,7 @@ def validate_config(repository: ModelRepository, model: str, name: str, profile:
                 segments.append((stats["inference_count"], None))
             segments.append((stats["inference_count"], None if error else len(rows)))
             if error:
-                progress(f"{name} {fraction:.0%} = {rate:g} req/s FAILED: {error.splitlines()[-1]}", warning=True, step=True)
+                progress(f"{name} {fraction:.0%} = {rate:g} req/s FAILED: {error_summary(error)}", warning=True, step=True)
                 failed.append({"config": name, "fraction": fraction, "rate_rps": rate, "error": error,
                                "cpu": cpu_share, "server": stats})
                 continue

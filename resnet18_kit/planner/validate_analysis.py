@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from resnet18_kit.load.perf_analyzer import load_profile_export
+from resnet18_kit.load.perf_analyzer import error_summary, load_profile_export
 from resnet18_kit.planner.arrivals import Poisson, send_times_s
 from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy
 from resnet18_kit.planner.profile import Profile
@@ -31,8 +31,11 @@ from resnet18_kit.planner.simulator import LostWakeup, simulate
 QUEUE_BINS_MS = [0, 5, 10, 25, 50, 100, 200, 400, 600, 1000, 1e9]
 
 
-def read_traces(trace_file: Path, model: str) -> list[dict[str, int]]:
-    """Every traced request of `model`: {timestamp name: ns}, merged by trace id, sorted by QUEUE_START."""
+def read_traces(trace_file: Path, model: str, required: tuple[str, ...] = ("QUEUE_START", "COMPUTE_START")
+                ) -> list[dict[str, int]]:
+    """Every traced request of `model` that has the `required` timestamps: {timestamp name: ns}, merged by
+    trace id, sorted by QUEUE_START. Triton's trace timestamps are CLOCK_MONOTONIC ns (time.monotonic_ns()
+    in this process). An ensemble's own record has no COMPUTE_*: ask it for ("QUEUE_START", "REQUEST_END")."""
     merged: dict[int, dict] = {}
     for path in sorted(trace_file.parent.glob(trace_file.name + "*")):
         text = path.read_text().strip()
@@ -44,7 +47,7 @@ def read_traces(trace_file: Path, model: str) -> list[dict[str, int]]:
                 record["model"] = entry["model_name"]
             for stamp in entry.get("timestamps", []):
                 record[stamp["name"]] = int(stamp["ns"])
-    requests = [r for r in merged.values() if r.get("model") == model and "QUEUE_START" in r and "COMPUTE_START" in r]
+    requests = [r for r in merged.values() if r.get("model") == model and all(k in r for k in required)]
     return sorted(requests, key=lambda r: r["QUEUE_START"])
 
 
@@ -271,7 +274,7 @@ def _prediction_table(rows: list[dict], suffix: str) -> list[str]:
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['config']} | {row['fraction']:.0%} | {row['rate_rps']:.1f} | | | perf_analyzer "
-                         f"failed: {row['error'].splitlines()[-1][:80]} | | | | |")
+                         f"failed: {error_summary(row['error'])[:80]} | | | | |")
             continue
         m, p = row["measured"], row.get(steady) or {}
         if not p:
