@@ -332,16 +332,18 @@ def plan_ensemble(target_rps: float, slo: Slo, profile: EnsembleProfile, space: 
 
 
 #: How far the ensemble's predicted p99 can be trusted, by its load (offered / capacity): the two-stage
-#: validation on photos (docs/capacity.md "The main job"; 2026-11-24, the shipped and a planned pair of
-#: configs, 6 levels, one day) found the p99 within 25% on both levels at 30% of capacity, 1 of 2 at 70%
-#: (-22%, -35%) and neither at 95% (-29%, +56%); throughput within 10% on 5 of 6. Same form as
-#: planner.search.P99_TRUST.
+#: validation on photos (docs/capacity.md "The main job"; three runs of 2026-11-24, the shipped pair and two
+#: planned pairs, 24 levels) found the p99 within 25% on 5 of 8 levels at 30% of capacity, and low on all 8
+#: (-13 to -35%); 4 of 8 at 70% (-35 to +38%); 1 of 8 at 95% (-29 to +317%). Throughput within 10% on all 9
+#: levels measured from Triton's trace. Same form as planner.search.P99_TRUST.
 ENSEMBLE_P99_TRUST: tuple[tuple[float, bool, str], ...] = (
-    (0.5, True, "p99 within 25% of the measured on both validated levels at 30% of capacity (one day)"),
-    (0.8, False, "CAUTION: p99 within 25% on 1 of 2 validated levels at 70% of capacity (-22%, -35%: "
-                 "low; one day); measure it (resnet18-kit plan validate-ensemble)"),
-    (math.inf, False, "NOT TRUSTED: p99 within 25% on neither validated level at 95% of capacity (one day); "
-                      "the throughput holds (within 10% on 5 of 6 levels): plan below 80% (--max-utilization 0.8)"),
+    (0.5, False, "CAUTION: p99 within 25% of the measured on 5 of 8 validated levels at 30% of capacity, and "
+                 "low on all 8 (by 13-35%): expect up to a third more"),
+    (0.8, False, "CAUTION: p99 within 25% on 4 of 8 validated levels at 70% of capacity (-35% to +38%); "
+                 "measure it (resnet18-kit plan validate-ensemble)"),
+    (math.inf, False, "NOT TRUSTED: p99 within 25% on 1 of 8 validated levels at 95% of capacity (-29% to "
+                      "+317%); the throughput holds (within 10% on all 9 levels measured from the trace): plan "
+                      "below 80% (--max-utilization 0.8)"),
 )
 
 
