@@ -192,11 +192,10 @@ def validation_figure(rows: list[dict], date: str) -> plt.Figure:
     y = x line and the band y = (1 +- P99_BAND) x. Rows: validation.json's with "predicted" (`validation_rows`)."""
     fig, ax = plt.subplots(figsize=(6.8, 5.6))
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    points = [(r["measured"]["p99_us"] / 1000, r["predicted"]["p99_ms"]) for r in rows]
-    rules = [(r["measured"]["p99_us"] / 1000, (r.get("predicted_static") or {}).get("p99_ms")) for r in rows]
-    drawn = [p for p in points + rules if p[1] is not None]
-    low = min(min(p) for p in drawn) / 1.4
-    high = max(max(p) for p in drawn) * 1.4
+    levels = [(r["measured"]["p99_us"] / 1000, r["predicted"]["p99_ms"], (r.get("predicted_static") or {}).get("p99_ms"))
+              for r in rows]  # (measured, the model, the rules alone or None), ms
+    values = [v for level in levels for v in level if v is not None]
+    low, high = min(values) / 1.4, max(values) * 1.4
     edge_x = [low, high]
     ax.fill_between(edge_x, [x * (1 - P99_BAND) for x in edge_x], [x * (1 + P99_BAND) for x in edge_x],
                     color="0.85", label=f"±{P99_BAND:.0%} of measured", gid="band")
@@ -204,26 +203,22 @@ def validation_figure(rows: list[dict], date: str) -> plt.Figure:
     ax.plot(edge_x, [x * (1 - P99_BAND) for x in edge_x], color="0.6", linewidth=0.8, gid="band_lower")
     ax.plot(edge_x, edge_x, color="0.3", linewidth=1, label="predicted = measured", gid="identity")
     for i, config in enumerate(configs):
-        mine = [(r, p, q) for r, p, q in zip(rows, points, rules) if r["config"] == config]
-        marker = "osD^v<>"[i % 7]
-        ax.scatter([p[0] for _, p, _ in mine], [p[1] for _, p, _ in mine], marker=marker, color=f"C{i}",
+        mine = [(r, level) for r, level in zip(rows, levels) if r["config"] == config]
+        marker, colour = "osD^v<>"[i % 7], f"C{i}"
+        ax.scatter([x for _, (x, _, _) in mine], [y for _, (_, y, _) in mine], marker=marker, color=colour,
                    zorder=3, label=config, gid=f"config:{config}")
-        static = [q for _, _, q in mine if q[1] is not None]
+        static = [(x, z) for _, (x, _, z) in mine if z is not None]
         if static:
-            ax.scatter([q[0] for q in static], [q[1] for q in static], marker=marker, facecolors="none",
-                       edgecolors=f"C{i}", zorder=3, gid=f"rules:{config}")
-        for row, (x, y), (_, y_rules) in mine:
-            if y_rules is not None:
-                ax.plot([x, x], [y, y_rules], color=f"C{i}", linewidth=0.8, alpha=0.6, gid=f"range:{config}")
+            ax.scatter(*zip(*static), marker=marker, facecolors="none", edgecolors=colour, zorder=3, gid=f"rules:{config}")
+        for row, (x, y, z) in mine:
+            if z is not None:
+                ax.plot([x, x], [y, z], color=colour, linewidth=0.8, alpha=0.6, gid=f"range:{config}")
             ax.annotate(f"{row['fraction']:.0%}", (x, y), fontsize=7, textcoords="offset points", xytext=(4, -3))
-    within = sum(abs(y / x - 1) <= P99_BAND for x, y in points)
-    paired = [(x, y, y_rules) for (x, y), (_, y_rules) in zip(points, rules) if y_rules is not None]
-    rules_line = ""
-    if paired:
-        rules_within = sum(abs(y_rules / x - 1) <= P99_BAND for x, _, y_rules in paired)
-        in_range = sum(in_band_of_range(x, y, y_rules) for x, y, y_rules in paired)
-        rules_line = (f"\nhollow: the documented rules alone, {rules_within} of {len(paired)}; "
-                      f"the range between the two, on {in_range} of {len(paired)}")
+    within = sum(abs(y / x - 1) <= P99_BAND for x, y, _ in levels)
+    paired = [level for level in levels if level[2] is not None]
+    rules_line = "" if not paired else (
+        f"\nhollow: the documented rules alone, {sum(abs(z / x - 1) <= P99_BAND for x, _, z in paired)} of "
+        f"{len(paired)}; the range between the two, on {sum(in_band_of_range(*level) for level in paired)} of {len(paired)}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     _plain_log_axis(ax.xaxis)
@@ -232,7 +227,7 @@ def validation_figure(rows: list[dict], date: str) -> plt.Figure:
     ax.set_ylim(low, high)
     ax.set_xlabel("measured p99 (ms, perf_analyzer, Poisson arrivals)")
     ax.set_ylabel("predicted p99 (ms, planner simulation)")
-    ax.set_title(f"capacity planner: predicted vs measured p99, {within} of {len(points)} levels within "
+    ax.set_title(f"capacity planner: predicted vs measured p99, {within} of {len(levels)} levels within "
                  f"±{P99_BAND:.0%} (filled: the model){rules_line}\nlabels: load as a fraction of capacity "
                  f"(measured {date})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)

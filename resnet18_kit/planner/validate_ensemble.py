@@ -5,14 +5,14 @@ config.pbtxt, as tritonserver does), from a scratch repository in <out> that lin
 and adds the planned configs of --configs-from (resnet18-kit plan ensemble --out DIR): the stages'
 configs say the instance counts, how many of them execute at once under the rate limiter, and the
 batchers; the ensemble profile gives the stage times and interference of the pair of instance counts
-that execute at once, hence the capacity; each level is a fraction of it, sent by perf_analyzer open loop (--async, Poisson) on the sample photos
-over gRPC, REQUESTS at least. Measured: perf_analyzer's p50/p99 for the level (its summary figures: the
-per-request export would hold every photo again), and the throughput from Triton's trace of every request
-(TIMESTAMPS): the level's requests / (last REQUEST_END - first REQUEST_START), the level's requests being
-those the server received while its perf_analyzer ran. perf_analyzer's own throughput for a fixed request
-count is the count over whole seconds (400 requests: 33.3 images/s for anything from 12.0 to 12.9 s, up to
-8% low at a 95% level) and is kept as "throughput_perf_analyzer". Predicted: simulate_ensemble at the same
-rate, Poisson, 10,000 requests.
+that execute at once, hence the capacity; each level is a fraction of it, sent by perf_analyzer open loop
+(--async, Poisson) on the sample photos over gRPC, REQUESTS at least. Measured: perf_analyzer's p50/p99
+for the level (its summary figures: the per-request export would hold every photo again), and the
+throughput from Triton's trace of every request (TIMESTAMPS): the level's requests / (last REQUEST_END -
+first REQUEST_START), the level's requests being those the server received while its perf_analyzer ran.
+perf_analyzer's own throughput for a fixed request count is the count over the time rounded up to whole
+seconds (400 requests answered in 11.0 to 12.0 s: 33.3 images/s; up to 9% low at a 95% level) and is kept
+as "throughput_perf_analyzer". Predicted: simulate_ensemble at the same rate, Poisson, 10,000 requests.
 """
 from __future__ import annotations
 
