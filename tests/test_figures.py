@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 
-from resnet18_kit.bench import figures
+from resnet18_kit.bench import figures, plots
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1024 * 1024
@@ -162,10 +162,10 @@ def test_a_missing_field_is_one_error_line_and_exit_2(tmp_path):
 
 
 def test_validation_band_is_25_percent_either_side_of_measured(tmp_path):
-    rows, failed, pending = figures.validation_rows(json.loads(
+    rows, failed, pending = plots.validation_rows(json.loads(
         (write_validation(tmp_path / "val") / "validation.json").read_text()))
     assert (len(rows), failed, pending) == (3, 1, 0)
-    fig = figures.validation_figure(rows, "2026-11-23")
+    fig = plots.validation_figure(rows, "2026-11-23")
     try:
         ax = fig.axes[0]
         lines = {line.get_gid(): line for line in ax.get_lines()}
@@ -187,7 +187,7 @@ def test_validation_band_is_25_percent_either_side_of_measured(tmp_path):
 
 def test_soak_panels_share_the_time_axis_in_minutes(tmp_path):
     record = json.loads(next(write_soak(tmp_path / "soak", minutes=3).glob("soak-*/soak.json")).read_text())
-    fig = figures.soak_figure(record, "2026-11-23")
+    fig = plots.soak_figure(record, "2026-11-23")
     try:
         top, bottom = fig.axes
         assert top.get_shared_x_axes().joined(top, bottom)
@@ -242,7 +242,7 @@ def test_validation_draws_the_rules_alone_and_the_range_the_planner_prints(tmp_p
     rows = [validation_row("default", 0.3, 100.0, 200.0), validation_row("default", 0.7, 100.0, 300.0)]
     rows[0]["predicted_static"] = {**rows[0]["predicted"], "p99_ms": 110.0}  # rules within, the model not
     rows[1]["predicted_static"] = {**rows[1]["predicted"], "p99_ms": 140.0}  # neither, nor the range
-    fig = figures.validation_figure(rows, "2026-11-24")
+    fig = plots.validation_figure(rows, "2026-11-24")
     try:
         ax = fig.axes[0]
         (hollow,) = [c for c in ax.collections if c.get_gid() == "rules:default"]
@@ -253,4 +253,4 @@ def test_validation_draws_the_rules_alone_and_the_range_the_planner_prints(tmp_p
         assert "0 of 2 levels within ±25%" in title and "rules alone, 1 of 2" in title and "on 1 of 2" in title
     finally:
         plt.close(fig)
-    assert figures.in_band_of_range(100.0, 60.0, 70.0) is False and figures.in_band_of_range(100.0, 60.0, 400.0)
+    assert plots.in_band_of_range(100.0, 60.0, 70.0) is False and plots.in_band_of_range(100.0, 60.0, 400.0)
