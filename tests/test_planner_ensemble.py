@@ -239,3 +239,9 @@ def test_the_ensemble_level_throughput_comes_from_the_trace_of_the_requests_in_i
     throughput, count = traced_throughput(ensemble, 1150 * ms, 1620 * ms)
     assert count == 5 and throughput == pytest.approx(5 / 0.45)
     assert traced_throughput(ensemble, 0, 10 * ms) == (0.0, 0)
+    # A new run at the same path starts from no pieces: an earlier run's would be merged into its records.
+    from resnet18_kit.planner.validate import trace_args
+    (tmp_path / "trace.jsonl").write_text("not a piece of this trace")
+    args = trace_args(trace)
+    assert f"--trace-config=triton,file={trace}" in args and "--trace-config=level=TIMESTAMPS" in args
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.jsonl"]

@@ -39,7 +39,10 @@ LEVEL_GAP_S = 3.0
 
 
 def trace_args(trace_file: Path) -> tuple[str, ...]:
-    """tritonserver flags tracing every request's timestamps into trace_file.<n> (500 per file)."""
+    """tritonserver flags tracing every request's timestamps into trace_file.<n> (500 per file). Removes the
+    pieces an earlier run left at that path first: validate_analysis.read_traces merges every trace_file.*."""
+    for stale in trace_file.parent.glob(trace_file.name + ".*"):
+        stale.unlink()
     return (f"--trace-config=triton,file={trace_file}", "--trace-config=triton,log-frequency=500",
             "--trace-config=rate=1", "--trace-config=level=TIMESTAMPS", "--trace-config=count=-1")
 

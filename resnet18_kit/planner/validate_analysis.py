@@ -35,7 +35,7 @@ def read_traces(trace_file: Path, model: str, required: tuple[str, ...] = ("QUEU
                 ) -> list[dict[str, int]]:
     """Every traced request of `model` that has the `required` timestamps: {timestamp name: ns}, merged by
     trace id, sorted by QUEUE_START. Triton's trace timestamps are CLOCK_MONOTONIC ns (time.monotonic_ns()
-    in this process). An ensemble's own record has no COMPUTE_*: ask it for ("QUEUE_START", "REQUEST_END")."""
+    in this process). An ensemble's own record has no COMPUTE_*: ask it for ("REQUEST_START", "QUEUE_START", "REQUEST_END")."""
     merged: dict[int, dict] = {}
     for path in sorted(trace_file.parent.glob(trace_file.name + "*")):
         text = path.read_text().strip()
