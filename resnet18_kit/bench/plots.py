@@ -23,8 +23,9 @@ def plain_log_axis(axis) -> None:
 
 
 def pipeline_figure(summary: dict, date: str) -> plt.Figure:
-    """img/s against p99 ms of the end-to-end sweeps (summary["pipeline"], described in resnet18_kit/bench/figures.py), points labelled
-    with their concurrency; one panel per photo set, colour per variant, solid gRPC / dotted HTTP."""
+    """img/s against p99 ms of the end-to-end sweeps (summary["pipeline"], described in
+    resnet18_kit/bench/figures.py), points labelled with their concurrency; one panel per photo set, colour
+    per variant, solid gRPC / dotted HTTP."""
     pipeline = summary["pipeline"]
     sets = list(pipeline["photo_sets"])
     colours = {v["variant"]: f"C{i}" for i, v in enumerate(pipeline["variants"])}
