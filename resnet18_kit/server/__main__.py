@@ -41,7 +41,7 @@ from resnet18_kit.export import ensure_exported
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shown
 from resnet18_kit.server.embedded import (ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ConfigurationError,
-                                          ServerConfig, check_ports_free, tritonserver_binary)
+                                          ServerConfig, check_ports_free, free_ports, tritonserver_binary)
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
@@ -67,6 +67,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests get to finish on shutdown (default 30)")
     parser.add_argument("--log-verbose", type=int, default=0,
                         help="tritonserver's --log-verbose level (default 0; 1 and up: detail per request)")
+    parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=True,
+                        help="gRPC clients connect to the kit's guard, which never passes their deadlines or "
+                             "cancellations on to tritonserver (Triton 2.51 crashes on them under load; "
+                             "docs/reliability.md 'Deadlines and cancellation'); tritonserver's own gRPC then "
+                             "listens on a free port of 127.0.0.1 (default: on; --no-grpc-guard exposes "
+                             "tritonserver's gRPC on --grpc-port)")
 
 
 class InsecureBindError(ValueError):
@@ -86,7 +92,8 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
     config = ServerConfig(model_repository=settings.model_repository, host=args.host,
                           http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           model_config_name=args.model_config_name, exit_timeout_s=args.exit_timeout_s,
-                          log_verbose=args.log_verbose, admin_key=admin_key)
+                          log_verbose=args.log_verbose, admin_key=admin_key,
+                          triton_grpc_port=free_ports(1)[0] if args.grpc_guard else None)
     if not config.loopback_only:
         if admin_key is None:
             raise InsecureBindError(
@@ -100,6 +107,13 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
         print(f"serve: {', '.join(RESTRICTED_APIS)} need the header '{ADMIN_HEADER}' "
               f"(key from ${ADMIN_KEY_ENV})", file=sys.stderr)
     return config
+
+
+def guard_note(config: ServerConfig) -> str:
+    """What the ready banner says after the gRPC address: whether the guard is in front."""
+    if config.triton_grpc_port is None:
+        return "   (tritonserver's own: no guard against client cancellations)"
+    return f"   (the kit's gRPC guard; tritonserver's own gRPC on {config.triton_grpc_url})"
 
 
 def check_variant(config: ServerConfig) -> None:
@@ -182,7 +196,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
             announced.set()
             print(f"\nserve: ready\n"
                   f"  HTTP    http://{config.http_url}   (KServe v2: /v2/health/ready, /v2/models/resnet18/infer)\n"
-                  f"  gRPC    {config.grpc_url}\n"
+                  f"  gRPC    {config.grpc_url}{guard_note(config)}\n"
                   f"  metrics {config.metrics_url}\n"
                   f"  try:    resnet18-kit classify --url {config.http_url} <images>\n"
                   f"serve: Ctrl-C or SIGTERM to stop", flush=True)

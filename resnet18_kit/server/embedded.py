@@ -76,6 +76,11 @@ class ServerConfig:
     #: UNAVAILABLE). Kept out of repr() so the key does not end up in logs.
     admin_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    #: gRPC behind the kit's guard (server.grpc_guard): when set, tritonserver's own gRPC listens on
+    #: 127.0.0.1 at this port and the guard listens on `host`:`grpc_port`, where clients connect, so no
+    #: client's deadline or cancellation reaches Triton 2.51 (docs/reliability.md "Deadlines and
+    #: cancellation"). None: tritonserver listens on `grpc_port` itself. The supervisor runs the guard.
+    triton_grpc_port: int | None = None
 
     @property
     def loopback_only(self) -> bool:
@@ -89,8 +94,14 @@ class ServerConfig:
 
     @property
     def grpc_url(self) -> str:
-        """host:port for gRPC clients."""
+        """host:port for gRPC clients (the guard's, when there is one)."""
         return f"{_client_host(self.host)}:{self.grpc_port}"
+
+    @property
+    def triton_grpc_url(self) -> str:
+        """host:port where tritonserver's own gRPC listens: behind the guard 127.0.0.1:triton_grpc_port,
+        else grpc_url."""
+        return self.grpc_url if self.triton_grpc_port is None else f"{DEFAULT_HOST}:{self.triton_grpc_port}"
 
     def url(self, protocol: str) -> str:
         """host:port for clients of `protocol` ("http" or "grpc"); ValueError for another."""
@@ -166,7 +177,8 @@ def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PR
           for repository in (config.model_repository, *config.extra_model_repositories)),
         f"--backend-directory={backend_directory()}",
         f"--http-address={config.host}", f"--http-port={config.http_port}",
-        f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}",
+        *((f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}") if config.triton_grpc_port is None
+          else (f"--grpc-address={DEFAULT_HOST}", f"--grpc-port={config.triton_grpc_port}")),
         f"--metrics-address={config.host}", f"--metrics-port={config.metrics_port}",
         "--allow-gpu-metrics=false",
         f"--exit-timeout-secs={config.exit_timeout_s}",
@@ -231,19 +243,25 @@ class StartCancelled(ServerStartError):
     exit_status = 0
 
 
-def check_ports_free(config: ServerConfig) -> None:
-    """Raise PortBusyError naming the first of `config`'s HTTP, gRPC and metrics ports that is taken on
-    its host right now, and its holder where /proc tells (server.resources.busy_port); ConfigurationError
-    for a port outside 1..65535 or one port given for two services."""
+def check_ports_free(config: ServerConfig, guard_port: bool = True) -> None:
+    """Raise PortBusyError naming the first of `config`'s HTTP, gRPC and metrics ports (and tritonserver's
+    own gRPC port behind the guard) that is taken right now, and its holder where /proc tells
+    (server.resources.busy_port); ConfigurationError for a port outside 1..65535 or one port given for two
+    services. guard_port=False leaves out `grpc_port` when the guard holds it (a restart behind a running
+    guard)."""
     ports = (("HTTP", "--http-port", config.http_port), ("gRPC", "--grpc-port", config.grpc_port),
              ("metrics", "--metrics-port", config.metrics_port))
-    for label, flag, port in ports:
+    internal = () if config.triton_grpc_port is None else (("tritonserver's gRPC", "--grpc-port",
+                                                             config.triton_grpc_port),)
+    for label, flag, port in ports + internal:
         if not 1 <= port <= 65535:
             raise ConfigurationError(f"{flag} {port}: a TCP port is 1 to 65535")
-    shared = [flag for _, flag, port in ports if [p for _, _, p in ports].count(port) > 1]
+    all_ports = [p for _, _, p in ports + internal]
+    shared = [flag for _, flag, port in ports if all_ports.count(port) > 1]
     if shared:
         raise ConfigurationError(f"{' and '.join(shared)} are the same port; HTTP, gRPC and metrics need one each")
-    problem = busy_port(config.host, ports)
+    checked = ports if config.triton_grpc_port is None or guard_port else ports[:1] + ports[2:]
+    problem = busy_port(config.host, checked) or busy_port(DEFAULT_HOST, internal)
     if problem:
         raise PortBusyError(problem)
 
@@ -278,7 +296,7 @@ class EmbeddedTritonServer:
         when tritonserver exits before ready (a model failed to load, a bad option: its first error line
         names it), ServerStartError when `ready_timeout_s` seconds pass.
         """
-        check_ports_free(self.config)
+        check_ports_free(self.config, guard_port=False)  # a guard in front holds grpc_port itself
         if self.log_path:
             Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         output = open(self.log_path, "ab") if self.log_path else None

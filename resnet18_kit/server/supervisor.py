@@ -35,6 +35,7 @@ from typing import Callable
 from resnet18_kit.observe.processes import process_alive
 from resnet18_kit.server.embedded import (ConfigurationError, EmbeddedTritonServer, ServerConfig, ServerStartError,
                                           StartCancelled)
+from resnet18_kit.server.grpc_guard import GrpcGuard
 from resnet18_kit.server.overload import QueueWatch
 from resnet18_kit.server.stop import StopRequest
 
@@ -94,6 +95,9 @@ class Supervisor:
         self._stop = StopRequest()
         self._stop_request: StopRequest | None = None
         self.exit_status: int | None = None
+        #: The gRPC guard in front of tritonserver (config.triton_grpc_port set): started before the first
+        #: server, kept through restarts, stopped after the last server.
+        self.guard: GrpcGuard | None = None
 
     # -- events ---------------------------------------------------------------------------------------
 
@@ -187,11 +191,26 @@ class Supervisor:
     # -- loops ------------------------------------------------------------------------------------------
 
     def run(self, stop: StopRequest) -> int:
-        """Start the server, supervise it until `stop` asks for a stop, then stop it gracefully (SIGTERM,
-        up to exit_timeout_s; `stop.hurried` cuts that short). Returns 0 on a clean stop (or a stop
-        before ready), 1 when the server could not be kept running, did not exit cleanly or was cut
-        short, 2 when it cannot start (ConfigurationError: a port taken, a model that does not load)."""
+        """Start the server (and the gRPC guard in front of it, when the config has one), supervise it
+        until `stop` asks for a stop, then stop it gracefully (SIGTERM, up to exit_timeout_s;
+        `stop.hurried` cuts that short) and then the guard. Returns 0 on a clean stop (or a stop before
+        ready), 1 when the server could not be kept running, did not exit cleanly or was cut short, 2
+        when it cannot start (ConfigurationError: a port taken, a model that does not load)."""
         self._stop_request = stop
+        if self.config.triton_grpc_port is not None:
+            self.guard = GrpcGuard(self.config.host, self.config.grpc_port, self.config.triton_grpc_url)
+            try:
+                self.guard.start()
+            except ServerStartError as exc:  # PortBusyError
+                self._event("start-failed", str(exc))
+                return exc.exit_status
+        try:
+            return self._supervise(stop)
+        finally:
+            if self.guard is not None:
+                self.guard.stop(grace_s=0.0 if stop.hurried else 5.0)
+
+    def _supervise(self, stop: StopRequest) -> int:
         try:
             self.start_server()
         except StartCancelled:
@@ -223,6 +242,17 @@ class Supervisor:
             if self.exit_status is not None or time.monotonic() > deadline:
                 raise ServerStartError("supervised tritonserver did not become ready")
             time.sleep(0.1)
+
+    def wait_serving(self, timeout_s: float) -> bool:
+        """Block until the server is running and ready after the last fault (True), or `timeout_s`
+        seconds pass or the supervisor ends (False)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.exit_status is None:
+            last = next((e.kind for e in reversed(self.events) if e.kind in ("ready", "fault", "restart")), None)
+            if last == "ready" and self.server is not None and self.server.running:
+                return True
+            time.sleep(0.1)
+        return False
 
     def _run_in_thread(self) -> None:
         self.exit_status = self.run(self._stop)

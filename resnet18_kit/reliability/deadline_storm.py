@@ -1,0 +1,148 @@
+"""Short gRPC deadlines under overload: the client behaviour that crashes Triton 2.51, sent on purpose.
+
+A client the kit does not control: plain `tritonclient.grpc` `infer` calls to the `resnet18` ensemble,
+`threads` at once, each with a `client_timeout` drawn uniformly from `deadline_ms` (e.g. 1-50 ms), so
+most of them expire, and the RPC is cancelled, while the request waits in a full queue or runs. Against
+an unprotected 2.51 server this ends in SIGSEGV or heap corruption within a few rounds (server issue 7368;
+docs/reliability.md "Deadlines and cancellation"); against the kit's gRPC guard (server.grpc_guard) the
+server must live through it.
+
+`storm` sends one round and says what came back; `rounds` repeats it against a supervised server and
+counts crashes (the server process ended or was replaced by the supervisor), hangs (no answer to a probe
+sent without a deadline after the round) and lost requests (no outcome from the client within
+HANG_BOUND_S).
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from resnet18_kit.contract import ENSEMBLE_MODEL, IMAGE_INPUT, PROBABILITIES_OUTPUT
+from resnet18_kit.reliability.loads import HANG_BOUND_S
+
+#: gRPC codes a storm's requests end with: answered, DEADLINE_EXCEEDED (the client gave up), UNAVAILABLE
+#: (queue full, timeout expired in the queue, or the server gone), anything else.
+STORM_KINDS = ("answered", "deadline", "unavailable", "other")
+
+
+@dataclass
+class StormResult:
+    """One round: `sent` requests, the count of each of STORM_KINDS, and `lost` (no outcome within
+    HANG_BOUND_S); `seconds` the round's wall time; `messages` one example message per kind."""
+
+    sent: int
+    counts: dict
+    lost: int
+    seconds: float
+    messages: dict
+
+
+def storm(grpc_url: str, photos: list[bytes], requests: int = 600, threads: int = 128,
+          deadline_ms: tuple[float, float] = (1.0, 50.0), model: str = ENSEMBLE_MODEL, seed: int = 0) -> StormResult:
+    """Send `requests` inferences of `photos` (encoded images, taken in turn) to `model` at `grpc_url`
+    from `threads` threads, each with a gRPC deadline drawn uniformly from `deadline_ms` (milliseconds,
+    (low, high)); one client (channel) per thread. Returns the round's StormResult."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    import numpy as np
+
+    rng = random.Random(seed)
+    deadlines_s = [rng.uniform(*deadline_ms) / 1000 for _ in range(requests)]
+    local = threading.local()
+    clients = []
+    lock = threading.Lock()
+
+    def send(index: int) -> tuple[str, str]:
+        if not hasattr(local, "client"):
+            local.client = grpcclient.InferenceServerClient(grpc_url)
+            with lock:
+                clients.append(local.client)
+        array = np.array([[photos[index % len(photos)]]], dtype=np.object_)
+        request = grpcclient.InferInput(IMAGE_INPUT, [1, 1], "BYTES")
+        request.set_data_from_numpy(array)
+        try:
+            local.client.infer(model, [request], outputs=[grpcclient.InferRequestedOutput(PROBABILITIES_OUTPUT)],
+                               client_timeout=deadlines_s[index])
+            return "answered", ""
+        except InferenceServerException as exc:
+            status = exc.status() or ""
+            kind = ("deadline" if "DEADLINE_EXCEEDED" in status else
+                    "unavailable" if "UNAVAILABLE" in status else "other")
+            return kind, f"{status} {exc.message()}"
+
+    started = time.monotonic()
+    counts = dict.fromkeys(STORM_KINDS, 0)
+    messages: dict = {}
+    lost = 0
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = [pool.submit(send, i) for i in range(requests)]
+        for future in futures:
+            try:
+                kind, message = future.result(timeout=max(0.0, started + HANG_BOUND_S - time.monotonic()))
+            except Exception:
+                lost += 1
+                continue
+            counts[kind] += 1
+            messages.setdefault(kind, message)
+    for client in clients:
+        client.close()
+    return StormResult(requests, counts, lost, round(time.monotonic() - started, 2), messages)
+
+
+def probe(grpc_url: str, photo: bytes, model: str = ENSEMBLE_MODEL, timeout_s: float = 30.0) -> str | None:
+    """One inference without a short deadline (bounded by `timeout_s`): None when answered, else why not."""
+    import tritonclient.grpc as grpcclient
+    import numpy as np
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    try:
+        request = grpcclient.InferInput(IMAGE_INPUT, [1, 1], "BYTES")
+        request.set_data_from_numpy(np.array([[photo]], dtype=np.object_))
+        client.infer(model, [request], client_timeout=timeout_s)
+        return None
+    except Exception as exc:  # any failure: the caller counts it
+        return " ".join(str(exc).split())[:200]
+    finally:
+        client.close()
+
+
+def rounds(run, photos: list[bytes], count: int, **storm_options) -> dict:
+    """`count` storms against the server of `run` (reliability.lifecycle.ServeRun, ready), sent to its
+    config's gRPC address. After each round: a crash is the tritonserver process gone or replaced (its pid
+    changed, or serve reported a fault; the next round waits until serve has it ready again); a hang is a
+    probe without a short deadline that fails on a server still running. Returns {"rounds", "crashes",
+    "hangs", "lost", "sent", "counts" (summed over rounds), "seconds" (per round), "crash_rounds",
+    "faults" (serve's fault lines), "messages" (one example per kind)}."""
+    from resnet18_kit.reliability.lifecycle import wait_for_restart
+
+    totals = dict.fromkeys(STORM_KINDS, 0)
+    record = {"rounds": count, "crashes": 0, "hangs": 0, "lost": 0, "sent": 0, "seconds": [], "crash_rounds": [],
+              "faults": [], "messages": {}}
+    grpc_url = run.config.grpc_url
+    for number in range(count):
+        pid, lines_before = run.server_pid(), len(run.stderr_lines())
+        result = storm(grpc_url, photos, seed=number, **storm_options)
+        time.sleep(0.5)  # a crash takes a moment to end the process
+        hung = probe(grpc_url, photos[0])
+        faults = [line for line in run.stderr_lines()[lines_before:] if line.startswith("serve: fault: ")]
+        crashed = bool(faults) or run.server_pid() != pid
+        if crashed:
+            record["crashes"] += 1
+            record["crash_rounds"].append(number)
+            record["faults"] += faults
+            wait_for_restart(run, lines_before)
+        elif hung is not None:
+            record["hangs"] += 1
+            record["messages"].setdefault("hang", hung)
+        record["lost"] += result.lost
+        record["sent"] += result.sent
+        record["seconds"].append(result.seconds)
+        for kind in STORM_KINDS:
+            totals[kind] += result.counts[kind]
+        for kind, message in result.messages.items():
+            record["messages"].setdefault(kind, message)
+    record["counts"] = totals
+    return record
