@@ -31,6 +31,9 @@ class AsyncTritonClassifierClient(ClientCore):
         else:
             self._client = self._module.InferenceServerClient(self.url)
         self._lock = asyncio.Lock()
+        #: Inferences whose caller stopped waiting (its deadline, or its task cancelled): (task, loop time
+        #: by which the RPC ends). close() awaits them, so no request is cancelled (client.classifier).
+        self._unanswered: dict[asyncio.Task, float | None] = {}
 
     @property
     def raw(self):
@@ -38,10 +41,24 @@ class AsyncTritonClassifierClient(ClientCore):
         return self._client
 
     async def _perform(self, call: Call):
-        answer = getattr(self._client, call.name)(*call.args, **call.kwargs)
-        if call.name == "infer":
-            return await asyncio.wait_for(answer, call.timeout_s)
-        return await answer
+        if call.name != "infer":
+            return await getattr(self._client, call.name)(*call.args, **call.kwargs)
+        loop = asyncio.get_running_loop()
+        ends_at = None if call.rpc_timeout_s is None else loop.time() + call.rpc_timeout_s
+        request = asyncio.ensure_future(self._client.infer(*call.args, **call.kwargs))
+        try:
+            return await asyncio.wait_for(asyncio.shield(request), call.timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:  # the request goes on, unanswered
+            self._unanswered[request] = ends_at
+            request.add_done_callback(self._forget)
+            if isinstance(exc, asyncio.TimeoutError):
+                raise TimeoutError(f"{call.timeout_s:.3f} s") from None
+            raise
+
+    def _forget(self, request: asyncio.Task) -> None:
+        self._unanswered.pop(request, None)
+        if not request.cancelled():
+            request.exception()  # retrieved: nobody waits for it any more
 
     async def _run(self, steps: Steps):
         """Drive a core operation: await each Call, asyncio.sleep each Sleep, return the result."""
@@ -99,7 +116,11 @@ class AsyncTritonClassifierClient(ClientCore):
             return await self._run(self._infer_tensor(batch, model, deadline_s))
 
     async def close(self) -> None:
-        """Unregister and destroy shared-memory regions, then close the connection (idempotent)."""
+        """Await the inferences the caller stopped waiting for (each within its RPC deadline, so no request
+        is cancelled), unregister and destroy shared-memory regions, then close the connection (idempotent)."""
+        loop = asyncio.get_running_loop()
+        for request, ends_at in list(self._unanswered.items()):
+            await asyncio.wait({request}, timeout=None if ends_at is None else max(0.0, ends_at - loop.time()))
         await self._run(self._close())
 
     async def __aenter__(self) -> "AsyncTritonClassifierClient":

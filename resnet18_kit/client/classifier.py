@@ -19,11 +19,13 @@ deadline; `client.retries` counts those retries. Every other failure raises at o
 errors of `client.errors` (status and server message attached); a server that cannot be reached, or an
 address that does not speak the protocol (another port, another HTTP server), is ServerUnavailableError.
 
-Deadlines: each call has a time budget (`deadline_s`, default `RetryPolicy.deadline_s`). Each try is
-bounded on the client side by what is left of it; and when the model's served config allows it
-(`allow_timeout_override: true`, read through observe.model_config.ModelConfigView), the same remainder
-goes to the server as the request's `timeout` parameter (microseconds), so a request that cannot be
-served in time is dropped from the queue instead of computed for nobody.
+Deadlines: each call has a time budget (`deadline_s`, default `RetryPolicy.deadline_s`). What is left
+of it goes to the server as the request's `timeout` parameter (microseconds): a queue whose policy allows
+it (`allow_timeout_override: true`) refuses the request once its time is up ("Request timeout expired",
+DeadlineExceededError), so it is not computed for nobody. The caller gets its answer or
+DeadlineExceededError when the budget ends; the request itself is never cancelled (Triton 2.51 crashes on
+cancelled gRPC requests under load): its RPC has a longer deadline (client.core.rpc_deadline_s), goes on
+unanswered, and close() waits for it before closing the connection.
 
 Shared memory (`shared_memory=True`): `infer_tensor` passes its input and output through system shared
 memory regions registered once per model (sized for its served max_batch_size) and unregistered on close
@@ -33,9 +35,11 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from typing import Sequence
 
 import numpy as np
+from tritonclient.utils import InferenceServerException
 
 from resnet18_kit.client.core import (UNREGISTER_TRIES, UNREGISTER_WAIT_S, WEIGHTS_PARAMETER, Call,  # noqa: F401
                                       ClientCore, Prediction, Sleep, Steps, advance, parse_classification,
@@ -44,6 +48,12 @@ from resnet18_kit.contract import (DEFAULT_URLS, ENSEMBLE_MODEL, FP32_BYTES, IMA
                                    LOGITS_OUTPUT, NUM_CLASSES, ONNX_MODEL, PROBABILITIES_OUTPUT, PROTOCOLS,
                                    TENSOR_INPUT)
 from resnet18_kit.observe.model_config import ModelConfigView
+
+#: Connections of one blocking HTTP client: one for the call under way, the others for requests whose
+#: caller stopped waiting at its deadline while the server still holds them.
+HTTP_CONNECTIONS = 4
+#: tritonclient.http's message when InferAsyncRequest.get_result's timeout passes first.
+HTTP_NO_ANSWER_YET = "failed to obtain inference response"
 
 
 class TritonClassifierClient(ClientCore):
@@ -61,11 +71,17 @@ class TritonClassifierClient(ClientCore):
     def __init__(self, url: str | None = None, protocol: str = "http", **options):
         super().__init__(url, protocol, **options)
         if protocol == "http":
+            # HTTP_CONNECTIONS: a request the caller stopped waiting for keeps its connection until the
+            # server answers; the next calls take the others.
             self._client = self._module.InferenceServerClient(
-                self.url, connection_timeout=self.connection_timeout_s, network_timeout=3600.0)
+                self.url, connection_timeout=self.connection_timeout_s, network_timeout=3600.0,
+                concurrency=HTTP_CONNECTIONS)
         else:
             self._client = self._module.InferenceServerClient(self.url)
         self._lock = threading.Lock()
+        #: Inferences whose caller stopped waiting at its deadline: (answer's getter, monotonic time by
+        #: which the RPC ends). close() waits for them. HTTP's belong to the thread that sent them (gevent).
+        self._unanswered: list[tuple[object, float | None]] = []
 
     @property
     def raw(self):
@@ -73,10 +89,45 @@ class TritonClassifierClient(ClientCore):
         return self._client
 
     def _perform(self, call: Call):
-        if call.name == "infer" and self.protocol == "http":
-            # HTTP: the blocking infer has no per-request client timeout; async_infer + get_result has.
-            return self._client.async_infer(*call.args, **call.kwargs).get_result(timeout=call.timeout_s)
-        return getattr(self._client, call.name)(*call.args, **call.kwargs)
+        if call.name != "infer":
+            return getattr(self._client, call.name)(*call.args, **call.kwargs)
+        ends_at = None if call.rpc_timeout_s is None else time.monotonic() + call.rpc_timeout_s
+        answer = self._send(call)
+        try:
+            return answer(call.timeout_s)
+        except TimeoutError:  # the caller's deadline: the request goes on, unanswered (module doc)
+            self._unanswered.append((answer, ends_at))
+            raise TimeoutError(f"{call.timeout_s:.3f} s") from None
+
+    def _send(self, call: Call):
+        """Start an inference; return answer(timeout_s) -> its result, raising its error, or TimeoutError
+        when `timeout_s` passes first (the request then goes on)."""
+        if self.protocol == "http":
+            request = self._client.async_infer(*call.args, **call.kwargs)
+
+            def answer(timeout_s):
+                try:
+                    return request.get_result(timeout=timeout_s)
+                except InferenceServerException as exc:
+                    if exc.message() == HTTP_NO_ANSWER_YET:
+                        raise TimeoutError() from None
+                    raise
+            return answer
+        future: Future = Future()
+
+        def done(result, error):
+            future.set_exception(error) if error is not None else future.set_result(result)
+        self._client.async_infer(*call.args, callback=done, **call.kwargs)
+        return future.result
+
+    def _wait_unanswered(self) -> None:
+        """Let every inference the caller stopped waiting for end (each within its RPC deadline)."""
+        while self._unanswered:
+            answer, ends_at = self._unanswered.pop()
+            try:
+                answer(None if ends_at is None else max(0.0, ends_at - time.monotonic()))
+            except Exception:  # its answer or error was no longer wanted
+                pass
 
     def _run(self, steps: Steps):
         """Drive a core operation: perform each Call, sleep each Sleep, return the operation's result."""
@@ -140,7 +191,10 @@ class TritonClassifierClient(ClientCore):
             return self._run(self._infer_tensor(batch, model, deadline_s))
 
     def close(self) -> None:
-        """Unregister and destroy shared-memory regions, then close the connection (idempotent)."""
+        """Wait for the inferences the caller stopped waiting for (each within its RPC deadline, so no
+        request is cancelled), unregister and destroy shared-memory regions, then close the connection
+        (idempotent). Over HTTP, call it from the thread that made the calls (gevent's loop is per thread)."""
+        self._wait_unanswered()
         self._run(self._close())
 
     def __enter__(self) -> "TritonClassifierClient":

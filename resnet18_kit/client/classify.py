@@ -27,8 +27,9 @@ import argparse
 import json
 import logging
 import sys
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterator
 
@@ -64,31 +65,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def classify_files(files: list[Path], url: str, protocol: str, top_k: int = 5, concurrency: int = 4,
                    model: str = ENSEMBLE_MODEL, deadline_s: float = 60.0, progress: bool = False,
                    ) -> Iterator[tuple[Path, list[Prediction] | Exception]]:
-    """Classify each file in its own request, `concurrency` at a time (one client per thread).
-    Yields (path, top_k predictions) in input order; a failed file gets its exception (an InferenceError,
-    or OSError when it cannot be read) instead. progress: a tqdm bar on stderr."""
+    """Classify each file in its own request, `concurrency` at a time: that many threads, each with its
+    own client, which it also closes (so a request past its deadline is waited for, never cancelled:
+    client.classifier). Yields (path, top_k predictions) in input order; a failed file gets its exception
+    (an InferenceError, or OSError when it cannot be read) instead. progress: a tqdm bar on stderr."""
     from tqdm import tqdm
 
-    local = threading.local()
-    clients: list[TritonClassifierClient] = []
     retry = RetryPolicy(deadline_s=deadline_s)
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    results: list[Future] = [Future() for _ in files]
+    for item in enumerate(files):
+        work.put(item)
 
-    def classify_one(path: Path):
-        if not hasattr(local, "client"):
-            local.client = TritonClassifierClient(url, protocol, retry=retry)
-            clients.append(local.client)
-        try:
-            return path, local.client.classify([path.read_bytes()], top_k, model)[0]
-        except (InferenceError, OSError) as exc:  # reported per file, the others go on
-            return path, exc
+    def worker() -> None:
+        with TritonClassifierClient(url, protocol, retry=retry) as client:
+            while True:
+                try:
+                    index, path = work.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results[index].set_result(client.classify([path.read_bytes()], top_k, model)[0])
+                except (InferenceError, OSError) as exc:  # reported per file, the others go on
+                    results[index].set_result(exc)
+                except BaseException as exc:  # a bug: raised where the results are read
+                    results[index].set_exception(exc)
 
+    threads = [threading.Thread(target=worker, name=f"classify-{i}", daemon=True)
+               for i in range(max(1, min(concurrency, len(files))))]
+    for thread in threads:
+        thread.start()
     try:
-        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-            yield from tqdm(pool.map(classify_one, files), total=len(files), unit="image",
-                            disable=not progress, file=sys.stderr)
+        for path, result in tqdm(zip(files, results), total=len(files), unit="image", disable=not progress,
+                                 file=sys.stderr):
+            yield path, result.result()
     finally:
-        for client in clients:
-            client.close()
+        while not work.empty():  # the caller stopped reading: send nothing more
+            try:
+                work.get_nowait()
+            except queue.Empty:
+                break
+        for thread in threads:
+            thread.join()
 
 
 def json_line(path: Path, result: list[Prediction] | Exception, weights_meaningful: bool | None = None) -> str:

@@ -33,6 +33,14 @@ from resnet18_kit.observe.model_config import ModelConfigView
 #: use"); close() retries up to UNREGISTER_TRIES times, UNREGISTER_WAIT_S apart (1 s in all).
 UNREGISTER_TRIES = 20
 UNREGISTER_WAIT_S = 0.05
+#: A request's RPC deadline sits beyond the longest time Triton can hold it once its own queue timeout is
+#: the caller's remaining time T: the ensemble hands the full timeout to each of its STEP_QUEUES steps'
+#: queues, each followed by an execution (under 2 s at max batch here), so the server answers or refuses
+#: within STEP_QUEUES x T + RPC_GRACE_S, and the RPC is never cancelled under it (a cancellation under
+#: load crashes Triton 2.51: docs/reliability.md "Deadlines and cancellation"). The caller still gets
+#: its answer or DeadlineExceededError at T; the RPC goes on unanswered and close() waits for it.
+STEP_QUEUES = 2
+RPC_GRACE_S = 30.0
 #: The model-config parameter that says whether the served weights are trained ones ("true") or the
 #: seeded random init of an export without downloadable weights ("false"); read by `weights_meaningful`.
 WEIGHTS_PARAMETER = "weights_meaningful"
@@ -53,12 +61,20 @@ class Prediction:
 @dataclass(frozen=True)
 class Call:
     """One exchange with the server: tritonclient's InferenceServerClient.<name>(*args, **kwargs).
-    timeout_s: the client-side bound of the exchange in seconds (None = none), for infer."""
+    For infer: timeout_s, how long the caller waits for the answer, seconds (None = no bound); past it the
+    shell raises TimeoutError and leaves the request to finish unanswered (never cancelled: see
+    STEP_QUEUES); rpc_timeout_s, the RPC's own bound (rpc_deadline_s), how long close() waits for it."""
 
     name: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     timeout_s: float | None = None
+    rpc_timeout_s: float | None = None
+
+
+def rpc_deadline_s(remaining_s: float | None) -> float | None:
+    """The RPC's own deadline for a caller with `remaining_s` seconds left (None: none); see STEP_QUEUES."""
+    return None if remaining_s is None else STEP_QUEUES * remaining_s + RPC_GRACE_S
 
 
 @dataclass(frozen=True)
@@ -203,8 +219,11 @@ class ClientCore:
 
     def _infer(self, model: str, build, parse, deadline_s: float | None) -> Steps:
         """Send one inference, retrying queue-full refusals with backoff until the deadline (module doc of
-        client.classifier). build() -> (inputs, outputs); parse(result) -> the answer."""
-        view = yield from self._model_config_view(model)
+        client.classifier). build() -> (inputs, outputs); parse(result) -> the answer. The remaining
+        time goes to the server as the request's `timeout` (microseconds): a queue that allows it
+        (allow_timeout_override) refuses the request once nobody waits for it, instead of the client
+        cancelling it; the RPC's own deadline is rpc_deadline_s of it."""
+        yield from self._model_config_view(model)  # the model exists; errors typed before the first try
         deadline = Deadline(self.retry_policy.deadline_s if deadline_s is None else deadline_s)
         attempts = 0
         while True:
@@ -212,13 +231,13 @@ class ClientCore:
             remaining_s = deadline.remaining_s()
             if remaining_s is not None and remaining_s <= 0:
                 raise DeadlineExceededError("deadline expired before the request could be sent", retries=attempts)
-            options = {}
-            if remaining_s is not None and view.timeout_override_allowed:
-                options["timeout"] = max(1, int(remaining_s * 1e6))  # the queue drops it when nobody waits
+            options = {} if remaining_s is None else {"timeout": max(1, int(remaining_s * 1e6))}
+            rpc_timeout_s = rpc_deadline_s(remaining_s)
             if self.protocol == "grpc":
-                options["client_timeout"] = remaining_s
+                options["client_timeout"] = rpc_timeout_s
             try:
-                result = yield Call("infer", (model, inputs), {"outputs": outputs, **options}, remaining_s)
+                result = yield Call("infer", (model, inputs), {"outputs": outputs, **options}, remaining_s,
+                                    rpc_timeout_s)
             except Exception as exc:
                 error = typed_error(exc, self.url, self.protocol, deadline, probe=False)
                 error.retries = attempts

@@ -99,7 +99,7 @@ def typed_error(exc: BaseException, url: str, protocol: str, deadline: Deadline 
         if probe and _garbled(error.message):
             error = _not_triton(url, protocol, _first_line(error.message))
     elif isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        error = DeadlineExceededError(f"no response within the deadline ({type(exc).__name__})")
+        error = DeadlineExceededError(f"no response within the deadline ({_first_line(str(exc)) or type(exc).__name__})")
     elif isinstance(exc, (ConnectionError, OSError)) or _is_lost_connection(exc):
         error = ServerUnavailableError(f"cannot connect to {url}: {_first_line(str(exc)) or type(exc).__name__}")
     elif _is_protocol_garbage(exc, generic=probe):
