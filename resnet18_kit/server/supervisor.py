@@ -12,7 +12,11 @@ blocks shutdown until the exit timeout. So the supervisor restarts the whole ser
 Checks, every `poll_interval_s`:
   * the tritonserver process exited;
   * a stub process seen at start-up is gone (one per model instance: `EmbeddedTritonServer.stub_processes`);
-  * `/v2/health/live` has not answered for `unresponsive_after_s`.
+  * `/v2/health/live` has not answered for `unresponsive_after_s`;
+  * wedged: no inference answered or executed for `wedged_after_s`, while the health endpoints may still
+    answer 200 (a corrupt heap or stuck threads after a cancellation race in Triton 2.51). A thread probes
+    every `probe_interval_s` (server.probe: the execution count, and an inference through the ensemble
+    when the count did not grow). A stop of a server found wedged does not wait for its exit timeout.
 A restart stops the server (SIGTERM, `restart_drain_s` for the requests other models are serving, then
 SIGKILL) and starts it again on the same ports. More than `max_restarts` restarts within
 `restart_window_s` is a crash loop: the supervisor gives up and `run` returns 1.
@@ -37,6 +41,8 @@ from resnet18_kit.server.embedded import (ConfigurationError, EmbeddedTritonServ
                                           StartCancelled)
 from resnet18_kit.server.grpc_guard import GrpcGuard
 from resnet18_kit.server.overload import QueueWatch
+from resnet18_kit.server.probe import ProgressWatch
+from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.stop import StopRequest
 
 
@@ -57,6 +63,13 @@ class SupervisorPolicy:
     restart_window_s: float = 600.0
     ready_timeout_s: float = 300.0
     queue_warnings: bool = True
+    #: Wedge detection (server.probe), for repositories with the ensemble and its warmup image: a round
+    #: every probe_interval_s; the probe inference's queue timeout probe_timeout_s; a restart after
+    #: wedged_after_s without progress (0: no wedge detection). 5 s: over twice the longest execution
+    #: here (a batch of 16 on 2 cores, under 2 s), so a long batch is never taken for a wedge.
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    wedged_after_s: float = 5.0
 
 
 @dataclass
@@ -98,6 +111,8 @@ class Supervisor:
         #: The gRPC guard in front of tritonserver (config.triton_grpc_port set): started before the first
         #: server, kept through restarts, stopped after the last server.
         self.guard: GrpcGuard | None = None
+        #: The wedge check of the server now running (None: off, or no ensemble to probe).
+        self._progress: ProgressWatch | None = None
 
     # -- events ---------------------------------------------------------------------------------------
 
@@ -130,6 +145,7 @@ class Supervisor:
             raise ConfigurationError(f"the restarted server lacks model instances {missing}: the model "
                                      f"repository changed under the running server ({self.config.model_repository})")
         self._last_live = time.monotonic()
+        self._start_probing()
         self._event("ready", f"tritonserver pid {self.server.process.pid} ready in {seconds:.1f} s, "
                              f"{len(self._stubs)} stub processes")
         return seconds
@@ -146,10 +162,36 @@ class Supervisor:
             self._last_live = time.monotonic()
         elif time.monotonic() - self._last_live > self.policy.unresponsive_after_s:
             return f"/v2/health/live unanswered for {self.policy.unresponsive_after_s:.0f} s"
+        if self.wedged():
+            return (f"wedged: no inference answered or executed for {self._progress.stalled_s():.1f} s "
+                    f"(last probe: {self._progress.last_detail})")
         if self._queues is not None:
             for warning in self._queues.warnings(self.config.metrics_url):
                 self._event("overload", warning)
         return None
+
+    def _start_probing(self) -> None:
+        """A ProgressWatch for the server just started, and a thread that runs its rounds while that
+        server runs (module doc); nothing when wedged_after_s is 0 or the repository has no ensemble."""
+        self._progress = None
+        if not self.policy.wedged_after_s or self.config.model_repository is None:
+            return
+        image = ModelRepository(self.config.model_repository).warmup_image_path
+        if not image.is_file():
+            return
+        watch = ProgressWatch(self.config.http_url, image.read_bytes(), self.policy.probe_timeout_s)
+        server = self.server
+
+        def probe() -> None:
+            while server.running:
+                time.sleep(self.policy.probe_interval_s)
+                watch.round()
+        self._progress = watch
+        threading.Thread(target=probe, name="triton-probe", daemon=True).start()
+
+    def wedged(self) -> bool:
+        """True when the running server has shown no progress for wedged_after_s (module doc)."""
+        return self._progress is not None and self._progress.stalled_s() > self.policy.wedged_after_s
 
     def _is_live(self) -> bool:
         import urllib.request
@@ -226,7 +268,12 @@ class Supervisor:
                 status = self.restart(reason)
                 if status is not None:
                     return status
-        status = self.server.stop(hurry=self._hurried)
+        wedged = self.wedged()  # its drain would only wait out the exit timeout: SIGKILL after restart_drain_s
+        status = self.server.stop(drain_s=self.policy.restart_drain_s if wedged else None, hurry=self._hurried)
+        if wedged:
+            self._event("stopped", f"the server was wedged: killed after {self.policy.restart_drain_s:.0f} s "
+                                   f"(status {status})")
+            return 1
         if stop.hurried:
             self._event("stopped", f"drain cut short: tritonserver and its stubs killed (status {status})")
             return 1
