@@ -149,7 +149,8 @@ def test_compose_parsers_reject_an_invalid_file(compose_parser, tmp_path):
 def test_compose_services(compose):
     assert set(compose) == {"check-artifacts", "triton", "perf", "prometheus", "grafana", "haproxy", *FLEET_REPLICAS}
     triton, check, perf = compose["triton"], compose["check-artifacts"], compose["perf"]
-    assert Path(triton["build"]["context"]) == DOCKERFILE.parent
+    assert Path(triton["build"]["context"]) == REPO_ROOT
+    assert (REPO_ROOT / triton["build"]["dockerfile"]).resolve() == DOCKERFILE
     assert triton["depends_on"]["check-artifacts"]["condition"] == "service_completed_successfully"
     assert perf["depends_on"]["triton"]["condition"] == "service_healthy"
     assert perf["profiles"] == ["perf"]
@@ -160,7 +161,9 @@ def test_compose_services(compose):
     devices = triton["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     health = triton["healthcheck"]
-    assert health["test"][0] == "CMD" and "http://localhost:8000/v2/health/ready" in health["test"]
+    assert health["test"][:2] == ["CMD", "python3"] and "/opt/resnet18-kit/probe.py" in health["test"]
+    assert flag_value(health["test"], "--image") == ["/models/preprocess/warmup/image_bytes"]
+    assert "--kill-wedged" in health["test"] and triton["init"] is True
     assert triton["command"][0] == "tritonserver"
     assert flag_value(triton["command"], "--model-repository") == ["/models"]
     assert flag_value(triton["command"], "--model-config-name") == ["gpu"]
@@ -217,7 +220,7 @@ def test_dockerfile_builds_on_the_release_with_pins_for_its_python():
     (default,) = re.findall(r"^ARG TRITON_RELEASE=(\S+)$", text, re.M)
     assert default == DEFAULT_RELEASE
     assert re.findall(r"^FROM (\S+)", text, re.M) == ["nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3"]
-    assert re.search(r"^COPY requirements-image\.txt ", text, re.M) and re.search(r"^USER triton-server$", text, re.M)
+    assert re.search(r"^COPY deploy/docker/requirements-image\.txt ", text, re.M) and re.search(r"^USER triton-server$", text, re.M)
     lines = [line.split("#")[0].strip() for line in IMAGE_REQUIREMENTS.read_text().splitlines()]
     requirements = [Requirement(line) for line in lines if line]
 

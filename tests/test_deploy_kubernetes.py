@@ -211,8 +211,9 @@ def test_deployment_wiring():
     port_names = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert port_names == {"http": 8000, "grpc": 8001, "metrics": 8002}
     assert c["readinessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert all(c[p]["httpGet"]["port"] in port_names for p in ("readinessProbe", "livenessProbe", "startupProbe"))
+    assert "/opt/resnet18-kit/probe.py" in c["livenessProbe"]["exec"]["command"]
+    assert c["livenessProbe"]["timeoutSeconds"] >= 10, "one probe round takes up to 8.5 s"
+    assert all(c[p]["httpGet"]["port"] in port_names for p in ("readinessProbe", "startupProbe"))
     exit_timeout = int(flag_value(c["args"], "--exit-timeout-secs")[0])
     assert pod["terminationGracePeriodSeconds"] > exit_timeout
     volumes_by_name = {v["name"]: v for v in pod["volumes"]}

@@ -225,6 +225,10 @@ def test_images_probes_and_shm_agree(compose_parser, release):
     assert c["image"] == triton["image"] == f"triton-resnet18:{release}"
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == \
         to_seconds(triton["healthcheck"]["start_period"])
+    compose_probe = [arg for arg in triton["healthcheck"]["test"][1:] if arg != "--kill-wedged"]
+    assert c["livenessProbe"]["exec"]["command"][:2] == compose_probe[:2]  # python3 probe.py
+    assert flag_value(c["livenessProbe"]["exec"]["command"], "--image") == flag_value(compose_probe, "--image")
+    assert flag_value(c["livenessProbe"]["exec"]["command"], "--timeout-s") == flag_value(compose_probe, "--timeout-s")
     exit_timeout = int(flag_value(triton["command"], "--exit-timeout-secs")[0])
     assert to_seconds(triton["stop_grace_period"]) > exit_timeout and pod["terminationGracePeriodSeconds"] > exit_timeout
     (shm,) = [v["emptyDir"] for v in pod["volumes"] if v["name"] == "dshm"]

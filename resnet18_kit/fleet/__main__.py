@@ -8,7 +8,9 @@ package; `make setup` installs it). Clients use the front ends as they would one
   gRPC  --grpc-port (default 8001)   HTTP/2, each call to the next replica in turn, even on one channel
 
 Replica i (1, 2, ...) listens on --replica-base-port + 10 (i - 1): HTTP, +1 gRPC, +2 metrics (each
-replica's Prometheus endpoint; nv_inference_count there is its share of the traffic).
+replica's Prometheus endpoint; nv_inference_count there is its share of the traffic), +3 tritonserver's own
+gRPC behind the replica's gRPC guard (127.0.0.1 only; server.grpc_guard: HAProxy passes a client's
+cancellation on, the guard does not, so no cancellation reaches Triton 2.51, which crashes on them).
 
 HAProxy checks every replica's /v2/health/ready every 500 ms; one failure takes it out of the pool, two
 successes bring it back. A queue-full 503 is passed to the client and never counts against a replica. A
@@ -55,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exit-timeout-s", type=int, default=10,
                         help="seconds a stopping replica gives its in-flight requests (default 10)")
     parser.add_argument("--log-verbose", type=int, default=0, help="the replicas' tritonserver --log-verbose (default 0)")
+    parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=True,
+                        help="each replica's gRPC port is the kit's guard, which never passes a cancellation on to "
+                             "tritonserver (HAProxy passes its clients' on; Triton 2.51 crashes on them under load); "
+                             "tritonserver's own gRPC on the replica's port + 3 of 127.0.0.1 (default: on)")
     parser.set_defaults(metrics_port=2)  # each replica's own: --replica-base-port + 2 + 10 (i - 1)
     parser.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS,
                         help=f"how many tritonservers (default {DEFAULT_REPLICAS})")

@@ -30,22 +30,27 @@ from resnet18_kit.server.embedded import (ConfigurationError, PortBusyError, Ser
 from resnet18_kit.server.resources import busy_port
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
 
-#: Ports of replica i (0-based) from a base port b: HTTP b + 10 i, gRPC b + 10 i + 1, metrics b + 10 i + 2.
+#: Ports of replica i (0-based) from a base port b: HTTP b + 10 i, gRPC b + 10 i + 1, metrics b + 10 i + 2,
+#: and behind its gRPC guard tritonserver's own gRPC b + 10 i + 3 (on 127.0.0.1).
 REPLICA_PORT_STRIDE = 10
 
 
 def replica_configs(template: ServerConfig, count: int, base_port: int) -> tuple[ServerConfig, ...]:
-    """`count` replica ServerConfigs like `template`, on ports from `base_port` (REPLICA_PORT_STRIDE apart);
-    ConfigurationError when a port would pass 65535."""
+    """`count` replica ServerConfigs like `template`, on ports from `base_port` (REPLICA_PORT_STRIDE apart),
+    each with a gRPC guard when `template` has one (triton_grpc_port set); ConfigurationError when a port
+    would pass 65535."""
     if count < 1:
         raise ConfigurationError(f"--replicas {count}: a fleet needs at least 1 replica")
-    last = base_port + REPLICA_PORT_STRIDE * (count - 1) + 2
+    guarded = template.triton_grpc_port is not None
+    last = base_port + REPLICA_PORT_STRIDE * (count - 1) + (3 if guarded else 2)
     if not 1 <= base_port or last > 65535:
         raise ConfigurationError(f"--replica-base-port {base_port}: {count} replicas need ports up to {last}; "
                                  "a TCP port is 1 to 65535")
     return tuple(replace(template, http_port=base_port + REPLICA_PORT_STRIDE * i,
                          grpc_port=base_port + REPLICA_PORT_STRIDE * i + 1,
-                         metrics_port=base_port + REPLICA_PORT_STRIDE * i + 2) for i in range(count))
+                         metrics_port=base_port + REPLICA_PORT_STRIDE * i + 2,
+                         triton_grpc_port=base_port + REPLICA_PORT_STRIDE * i + 3 if guarded else None)
+                 for i in range(count))
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,8 @@ class Fleet:
         (HAProxyError, PortBusyError) naming the first problem, before anything starts."""
         haproxy_binary(self.config.haproxy)
         front = self.config.front
-        taken = [port for c in self.config.replicas for port in (c.http_port, c.grpc_port, c.metrics_port)]
+        taken = [port for c in self.config.replicas
+                 for port in (c.http_port, c.grpc_port, c.metrics_port, c.triton_grpc_port) if port is not None]
         for flag, port in (("--http-port", front.http_port), ("--grpc-port", front.grpc_port)):
             if not 1 <= port <= 65535:
                 raise ConfigurationError(f"{flag} {port}: a TCP port is 1 to 65535")

@@ -33,8 +33,8 @@ from resnet18_kit.contract import PROTOCOLS, TRITON_VERSION
 from resnet18_kit.observe.machine import cpu_share, cpu_ticks
 from resnet18_kit.observe.process_memory import MemorySampler
 from resnet18_kit.reliability import RELIABILITY_REPOSITORY, RESULTS_NAME
-from resnet18_kit.reliability import (bad_input, burst, crash_request, lifecycle, queue_timeout, readiness, refusal,
-                                      restricted_api, sigterm, soak, stub_kill)
+from resnet18_kit.reliability import (bad_input, burst, crash_request, deadlines, lifecycle, queue_timeout, readiness,
+                                      refusal, restricted_api, sigterm, soak, stub_kill, wedge)
 from resnet18_kit.reliability.loads import ensemble_load, onnx_load, reference_answers
 from resnet18_kit.reliability.table import markdown_table
 from resnet18_kit.server.embedded import MiB, EmbeddedTritonServer, ServerConfig, config_on_free_ports
@@ -44,10 +44,12 @@ from resnet18_kit.settings import Settings, shown
 log = logging.getLogger(__name__)
 
 SCENARIOS = ("burst", "refusal", "timeout", "readiness", "bad-input", "stub-kill", "crash-request", "sigterm",
-             "security", "lifecycle", "stops", "fleet")
+             "security", "wedge", "lifecycle", "stops", "fleet", "deadlines")
 #: Run only when named: `make serve` started and stopped --stops times (about 12 s a round); the fleet's
-#: scenarios (about 3 minutes: fleets of 2 and 3 replicas behind HAProxy, reliability.fleet_scenarios).
-ON_REQUEST = ("stops", "fleet")
+#: scenarios (about 3 minutes: fleets of 2 and 3 replicas behind HAProxy, reliability.fleet_scenarios);
+#: short gRPC deadlines under overload, with and without the guard, and the kit's classify
+#: (reliability.deadlines; about 15 minutes at 20 rounds and runs).
+ON_REQUEST = ("stops", "fleet", "deadlines")
 #: The scenarios that share one server of the shipped models and the reliability models.
 ON_ONE_SERVER = ("burst", "refusal", "timeout", "readiness", "bad-input")
 
@@ -102,6 +104,12 @@ def run_faults(repository: Path, args, out_dir: Path, rows: list, record: dict) 
     if "security" in args.scenario:
         record["security"] = restricted_api.checks_with_a_new_key(out_dir)
         rows.append(restricted_api.table_row(record["security"]))
+    if "wedge" in args.scenario:
+        for case in wedge.CASES:
+            config = config_on_free_ports(model_repository=repository)
+            result = wedge.wedge(config, out_dir / f"wedge-{case}", case)
+            record.setdefault("wedge", []).append(result)
+            rows.append(wedge.table_row(result))
 
 
 def run_lifecycle(repository: Path, args, out_dir: Path, record: dict) -> list[str]:
@@ -130,6 +138,20 @@ def run_lifecycle(repository: Path, args, out_dir: Path, record: dict) -> list[s
         results = fleet_scenarios.run_all(repository, out_dir / "fleet")
         record["fleet"] = results
         tables.append(markdown_table([fleet_scenarios.table_cells(r) for r in results], fleet_scenarios.FLEET_COLUMNS))
+    if "deadlines" in args.scenario:
+        from resnet18_kit.client.samples import sample_photos
+
+        photos = [path.read_bytes() for path in sample_photos()]
+        storms = []
+        for guard in (True, False):
+            config = config_on_free_ports(model_repository=repository)
+            storms += deadlines.storm_runs(config, out_dir / "deadlines", photos, args.storm_rounds, guard)
+        folder = deadlines.jpeg_folder(out_dir / "deadlines" / "photos")
+        runs = deadlines.classify_runs(config_on_free_ports(model_repository=repository), out_dir / "deadlines",
+                                       folder, args.classify_runs)
+        record["deadlines"] = {"storms": storms, "classify": runs}
+        tables.append(markdown_table([deadlines.storm_cells(r) for r in storms], deadlines.STORM_COLUMNS))
+        tables.append(markdown_table([deadlines.classify_cells(r) for r in runs], deadlines.CLASSIFY_COLUMNS))
     return tables
 
 
@@ -151,6 +173,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "batch of 16 hold)")
     run_parser.add_argument("--sigterm-in-flight", type=int, default=48, metavar="N",
                             help="requests in flight when serve gets SIGTERM (default 48)")
+    run_parser.add_argument("--storm-rounds", type=int, default=20, metavar="N",
+                            help="rounds of the deadline storm per deadline range and target (default 20)")
+    run_parser.add_argument("--classify-runs", type=int, default=20, metavar="N",
+                            help="runs of classify --concurrency 128 --deadline-s 1 per protocol (default 20)")
     run_parser.add_argument("--out", type=Path, metavar="DIR", help=f"folder for <time>/ (default <results>/{RESULTS_NAME})")
     soak_parser = commands.add_parser(
         "soak", help="the bounded soak: capacity, then a Poisson load at a fraction of it, failures and memory",

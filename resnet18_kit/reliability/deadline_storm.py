@@ -109,13 +109,14 @@ def probe(grpc_url: str, photo: bytes, model: str = ENSEMBLE_MODEL, timeout_s: f
         client.close()
 
 
-def rounds(run, photos: list[bytes], count: int, **storm_options) -> dict:
+def rounds(run, photos: list[bytes], count: int, stop_on_crash: bool = False, **storm_options) -> dict:
     """`count` storms against the server of `run` (reliability.lifecycle.ServeRun, ready), sent to its
     config's gRPC address. After each round: a crash is the tritonserver process gone or replaced (its pid
     changed, or serve reported a fault; the next round waits until serve has it ready again); a hang is a
     probe without a short deadline that fails on a server still running. Returns {"rounds", "crashes",
     "hangs", "lost", "sent", "counts" (summed over rounds), "seconds" (per round), "crash_rounds",
-    "faults" (serve's fault lines), "messages" (one example per kind)}."""
+    "faults" (serve's fault lines), "messages" (one example per kind)}; stop_on_crash: end after the
+    first round with a crash ("rounds" then says how many ran)."""
     from resnet18_kit.reliability.lifecycle import wait_for_restart
 
     totals = dict.fromkeys(STORM_KINDS, 0)
@@ -134,6 +135,45 @@ def rounds(run, photos: list[bytes], count: int, **storm_options) -> dict:
             record["crash_rounds"].append(number)
             record["faults"] += faults
             wait_for_restart(run, lines_before)
+        elif hung is not None:
+            record["hangs"] += 1
+            record["messages"].setdefault("hang", hung)
+        record["lost"] += result.lost
+        record["sent"] += result.sent
+        record["seconds"].append(result.seconds)
+        for kind in STORM_KINDS:
+            totals[kind] += result.counts[kind]
+        for kind, message in result.messages.items():
+            record["messages"].setdefault(kind, message)
+        if crashed and stop_on_crash:
+            record["rounds"] = number + 1
+            break
+    record["counts"] = totals
+    return record
+
+
+def fleet_rounds(fleet, photos: list[bytes], count: int, **storm_options) -> dict:
+    """`count` storms against the gRPC front end of `fleet` (fleet.Fleet, started). A crash is a fault any
+    replica's supervisor reported during the round (the next round waits until every replica is UP in
+    HAProxy again); a hang is a probe through the front end that fails. Returns rounds()'s record."""
+    totals = dict.fromkeys(STORM_KINDS, 0)
+    record = {"rounds": count, "crashes": 0, "hangs": 0, "lost": 0, "sent": 0, "seconds": [], "crash_rounds": [],
+              "faults": [], "messages": {}}
+    grpc_url = fleet.config.front.server_config().grpc_url
+    for number in range(count):
+        marks = [len(s.events) for s in fleet.supervisors]
+        result = storm(grpc_url, photos, seed=number, **storm_options)
+        time.sleep(0.5)
+        hung = probe(grpc_url, photos[0])
+        faults = [f"replica {i + 1}: {e.detail}" for i, s in enumerate(fleet.supervisors)
+                  for e in s.events[marks[i]:] if e.kind == "fault"]
+        if faults:
+            record["crashes"] += len(faults)
+            record["crash_rounds"].append(number)
+            record["faults"] += faults
+            for index, supervisor in enumerate(fleet.supervisors):
+                supervisor.wait_serving(120.0)
+                fleet.wait_status(index, "UP", 120.0)
         elif hung is not None:
             record["hangs"] += 1
             record["messages"].setdefault("hang", hung)

@@ -54,12 +54,15 @@ def identity_load(count: int = 16) -> TensorLoad:
 
 
 def fleet_config(repository: Path, workdir: Path, replicas: int, take_out_on_fault: bool = True,
-                 **options) -> FleetConfig:
+                 grpc_guard: bool = True, **options) -> FleetConfig:
     """A FleetConfig of `replicas` replicas of `repository` and both front ends on free ports, files in
-    `workdir`, a 10 s exit timeout per replica; `options` go to ServerConfig."""
-    ports = free_ports(3 * replicas + 2)
-    configs = tuple(ServerConfig(model_repository=repository, http_port=ports[3 * i], grpc_port=ports[3 * i + 1],
-                                 metrics_port=ports[3 * i + 2], exit_timeout_s=10, **options) for i in range(replicas))
+    `workdir`, a 10 s exit timeout per replica, each replica's gRPC behind a guard as `resnet18-kit fleet`
+    has it (grpc_guard); `options` go to ServerConfig."""
+    ports = free_ports(4 * replicas + 2)
+    configs = tuple(ServerConfig(model_repository=repository, http_port=ports[4 * i], grpc_port=ports[4 * i + 1],
+                                 metrics_port=ports[4 * i + 2], exit_timeout_s=10,
+                                 triton_grpc_port=ports[4 * i + 3] if grpc_guard else None, **options)
+                    for i in range(replicas))
     front = FrontEnd("127.0.0.1", ports[-2], ports[-1], workdir / "haproxy.sock")
     return FleetConfig(configs, front, workdir, supervisor=SupervisorPolicy(poll_interval_s=0.2, queue_warnings=False),
                        take_out_on_fault=take_out_on_fault)

@@ -18,13 +18,21 @@ One probe round (`ProgressWatch.round`), over HTTP (KServe v2):
 The server is wedged when no round has shown progress for a while (server.supervisor: wedged_after_s). As a
 script (compose, Kubernetes), one invocation is two reads of the count around the probe:
 
-    python3 probe.py --url 127.0.0.1:8000 --image /models/preprocess/warmup/image_bytes
+    python3 probe.py --url 127.0.0.1:8000 --image /models/preprocess/warmup/image_bytes [--kill-wedged]
     exit 0: progress; exit 1: no progress (one line on stderr says what was seen)
+
+--kill-wedged (docker compose, where an unhealthy container is not restarted by Docker): a server that is
+live (/v2/health/live 200) but shows no progress is wedged, and every `tritonserver` process of this PID
+namespace gets SIGKILL, so that the container exits and its restart policy starts it again. A server
+that is not live yet (loading its models) is left alone. tritonserver must not be PID 1 (compose's
+`init: true`), since PID 1 ignores a SIGKILL from inside its own namespace.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 import urllib.error
@@ -104,6 +112,32 @@ class ProgressWatch:
         return time.monotonic() - self._last_progress
 
 
+def live(http_url: str, timeout_s: float) -> bool:
+    """True when GET /v2/health/live at `http_url` answers 200 within `timeout_s` seconds."""
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/live", timeout=timeout_s) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def kill_tritonservers() -> list[int]:
+    """SIGKILL every process named `tritonserver` in this PID namespace (/proc); their pids."""
+    killed = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as comm:
+                if comm.read().strip() != "tritonserver":
+                    continue
+            os.kill(int(entry), signal.SIGKILL)
+            killed.append(int(entry))
+        except OSError:
+            continue
+    return killed
+
+
 def main(argv: list[str] | None = None) -> int:
     """The script (module doc): exit 0 when the server shows progress, 1 when not."""
     parser = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0])
@@ -111,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", required=True,
                         help="a serialized BYTES tensor of one image: model_repository/preprocess/warmup/image_bytes")
     parser.add_argument("--timeout-s", type=float, default=2.0,
-                        help="the probe's queue timeout, seconds; the whole check takes at most 3 x this + 1 s (default 2)")
+                        help="the probe's queue timeout, seconds; the whole check takes at most 5 x this + 1 s (default 2)")
+    parser.add_argument("--kill-wedged", action="store_true",
+                        help="SIGKILL tritonserver when it is live but shows no progress (see the module doc)")
     args = parser.parse_args(argv)
     try:
         with open(args.image, "rb") as file:
@@ -128,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"probe: no inference answered or executed at {args.url}: probe got {detail}; executions "
           f"{before} -> {after}", file=sys.stderr)
+    if args.kill_wedged and live(args.url, args.timeout_s):
+        print(f"probe: live but wedged: SIGKILL to tritonserver pid {kill_tritonservers()}", file=sys.stderr)
     return 1
 
 

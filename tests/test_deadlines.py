@@ -1,0 +1,266 @@
+"""Deadlines and cancellation under overload (docs/reliability.md "Deadlines and cancellation").
+
+Triton 2.51 crashes when gRPC requests are cancelled under a full queue (server issue 7368, fixed in
+24.12). These tests reproduce that on the embedded server with a raw gRPC client, and show what the kit
+puts in its way: the gRPC guard in front of `serve` and the fleet, clients that never cancel, and a
+supervisor that restarts a wedged server. `pytest -s` prints each record.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from resnet18_kit.client.async_client import AsyncTritonClassifierClient
+from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client.errors import DeadlineExceededError
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.fleet.fleet import Fleet
+from resnet18_kit.observe.statistics import model_statistics
+from resnet18_kit.reliability import deadline_storm, deadlines, fleet_scenarios, wedge
+from resnet18_kit.server.embedded import ServerConfig, config_on_free_ports, free_ports
+from resnet18_kit.server.grpc_guard import with_timeout
+from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
+
+STUB_MODEL = "resnet18_slow_stub"  # tests/model_repository: 100 ms per execution, a queue of one
+#: Rounds of the storm per test: 1-50 ms deadlines crashed an unguarded 2.51 server in 4 rounds of 4.
+STORM_ROUNDS = 4
+
+
+@pytest.fixture(scope="module")
+def photos() -> list[bytes]:
+    return [path.read_bytes() for path in sample_photos()]
+
+
+def show(record) -> None:
+    print("\n" + json.dumps(record, default=str), flush=True)
+
+
+# -- the upstream defect, and the guard in front of serve ---------------------------------------------------
+
+@pytest.mark.parametrize("guard", [
+    True,
+    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
+        "Triton 2.51 crashes on gRPC requests cancelled under load (server issue 7368, fixed in 24.12 = 2.53.0): "
+        "when this passes, the embedded server no longer has the defect"))),
+], ids=["through-the-guard", "straight-to-tritonserver"])
+def test_short_grpc_deadlines_under_overload_crash_nothing(repository, tmp_path, photos, guard):
+    """A raw gRPC client, 128 threads, deadlines of 1-50 ms against serve's gRPC port: no crash, no hang,
+    nothing lost. Straight to tritonserver (--no-grpc-guard) it crashes: the strict xfail."""
+    config = config_on_free_ports(model_repository=repository.root)
+    run = deadlines.serve(config, tmp_path, guard=guard)
+    try:
+        record = deadline_storm.rounds(run, photos, STORM_ROUNDS, stop_on_crash=True, deadline_ms=(1.0, 50.0))
+    finally:
+        stopped = deadlines.stop(run)
+    show({**record, **stopped})
+    assert stopped["exit_status"] == 0 and not stopped["leftovers"], stopped
+    assert record["lost"] == 0, record
+    assert record["counts"]["deadline"] > 0, "the deadlines must expire, or nothing was tested"
+    assert record["crashes"] == 0 and record["hangs"] == 0, record
+
+
+def test_the_kit_client_alone_never_crashes_an_unguarded_server(repository, tmp_path):
+    """classify --concurrency 128 --deadline-s 1, straight to tritonserver (no guard), both protocols: every
+    image classified or refused with its reason, no crash, no hang, no traceback, exit 0 or 1."""
+    config = config_on_free_ports(model_repository=repository.root)
+    folder = deadlines.jpeg_folder(tmp_path / "photos", count=150)
+    results = deadlines.classify_runs(config, tmp_path, folder, runs=2)
+    show(results)
+    for result in results:
+        assert result["crashes"] == 0 and result["hangs"] == 0 and result["tracebacks"] == 0, result
+        assert result["unaccounted"] == 0 and result["bad_exits"] == 0, result
+        assert result["refused"] > 0, "the deadline must refuse some images, or the overload was not reached"
+        assert result["exit_status"] == 0 and not result["leftovers"], result
+
+
+def test_a_fleet_behind_haproxy_survives_deadlines_that_expire_while_requests_run(repository, tmp_path, photos):
+    """HAProxy passes its clients' cancellations on to the replicas; each replica's guard absorbs them.
+    Deadlines of 50-400 ms through the gRPC front end crashed all three unguarded replicas within five
+    rounds; here: none."""
+    config = fleet_scenarios.fleet_config(repository.root, tmp_path, replicas=3)
+    with Fleet(config) as fleet:
+        record = deadline_storm.fleet_rounds(fleet, photos, 3, deadline_ms=(50.0, 400.0))
+    show(record)
+    assert record["lost"] == 0, record
+    assert record["counts"]["deadline"] > 0, "the deadlines must expire, or nothing was tested"
+    assert record["crashes"] == 0 and record["hangs"] == 0, record
+
+
+# -- the guard itself -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, test_model_repository):
+    """A supervised server of the test models with the gRPC guard in front (no ensemble: no probe)."""
+    http, grpc_port, metrics, internal = free_ports(4)
+    config = ServerConfig(model_repository=test_model_repository, http_port=http, grpc_port=grpc_port,
+                          metrics_port=metrics, triton_grpc_port=internal, admin_key="guard-test-key")
+    supervisor = Supervisor(config, SupervisorPolicy(queue_warnings=False),
+                            log_path=tmp_path_factory.mktemp("guarded") / "tritonserver.log", on_event=lambda e: None)
+    with supervisor:
+        yield supervisor
+
+
+def stub_counts(config: ServerConfig) -> tuple[int, int]:
+    """(successes, failures) of the slow stub in the statistics extension."""
+    stats = model_statistics(config.http_url, STUB_MODEL)
+    return int(stats["inference_stats"]["success"]["count"]), int(stats["inference_stats"]["fail"]["count"])
+
+
+def zeros() -> np.ndarray:
+    return np.zeros((1, 3, 224, 224), np.float32)
+
+
+def stub_request(module=grpcclient):
+    request = module.InferInput("input", [1, 3, 224, 224], "FP32")
+    request.set_data_from_numpy(zeros())
+    return request
+
+
+def test_the_guard_turns_a_client_deadline_into_the_requests_queue_timeout(guarded):
+    """Behind a 100 ms request, a request with a 40 ms gRPC deadline leaves the queue unserved ("Request
+    timeout expired" on the server) instead of being computed for nobody; its client went, the guard
+    waited for the server's answer, and nothing was cancelled."""
+    config = guarded.config
+    counts_before, gone_before = stub_counts(config), guarded.guard.counts.client_gone
+    with grpcclient.InferenceServerClient(config.grpc_url) as first, \
+            grpcclient.InferenceServerClient(config.grpc_url) as second:
+        busy = first.async_infer(STUB_MODEL, [stub_request()], callback=lambda result, error: None)
+        time.sleep(0.02)
+        with pytest.raises(InferenceServerException, match="Deadline"):
+            second.infer(STUB_MODEL, [stub_request()], client_timeout=0.04)
+        time.sleep(0.3)
+        del busy
+    successes, failures = stub_counts(config)
+    assert successes - counts_before[0] == 1, "the request whose deadline passed in the queue was computed"
+    assert failures - counts_before[1] == 1, "it must end as a queue timeout on the server"
+    assert guarded.guard.counts.client_gone == gone_before + 1
+
+
+def test_with_timeout_keeps_the_shorter_of_the_two():
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="m")
+    assert with_timeout(request.SerializeToString(), None) == request.SerializeToString()
+    parsed = service_pb2.ModelInferRequest.FromString(with_timeout(request.SerializeToString(), 0.25))
+    assert parsed.parameters["timeout"].int64_param == 250_000
+    request.parameters["timeout"].int64_param = 100_000
+    parsed = service_pb2.ModelInferRequest.FromString(with_timeout(request.SerializeToString(), 0.25))
+    assert parsed.parameters["timeout"].int64_param == 100_000
+
+
+def test_the_guard_forwards_the_admin_key_and_refuses_without_it(guarded):
+    config = guarded.config
+    with grpcclient.InferenceServerClient(config.grpc_url) as client:
+        with pytest.raises(InferenceServerException):
+            client.get_model_repository_index()
+        index = client.get_model_repository_index(headers={"triton-grpc-protocol-admin-key": "guard-test-key"},
+                                                  as_json=True)
+    assert any(model["name"] == STUB_MODEL for model in index["models"])
+
+
+def test_the_guard_port_taken_is_one_line(test_model_repository, tmp_path):
+    from resnet18_kit.reliability.lifecycle import held_port
+
+    http, grpc_port, metrics, internal = free_ports(4)
+    config = ServerConfig(model_repository=test_model_repository, http_port=http, grpc_port=grpc_port,
+                          metrics_port=metrics, triton_grpc_port=internal)
+    holder = held_port(grpc_port)
+    try:
+        supervisor = Supervisor(config, log_path=tmp_path / "log", on_event=lambda e: None)
+        from resnet18_kit.server.stop import StopRequest
+
+        assert supervisor.run(StopRequest()) == 2
+    finally:
+        holder.close()
+    failure = next(e.detail for e in supervisor.events if e.kind == "start-failed")
+    assert f"gRPC port {grpc_port}" in failure and "\n" not in failure, failure
+
+
+# -- the kit's clients never cancel ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("api", ["sync", "asyncio"])
+def test_a_call_past_its_deadline_returns_at_the_deadline_and_is_never_cancelled(guarded, api):
+    """The caller gets DeadlineExceededError at its deadline; the request goes on, close() waits for it,
+    and the guard saw no client go (the RPC's own deadline lies beyond the server's answer)."""
+    config = guarded.config
+    gone_before = guarded.guard.counts.client_gone
+    successes_before = stub_counts(config)[0]
+    started = time.monotonic()
+    if api == "sync":
+        client = TritonClassifierClient(config.grpc_url, "grpc")
+        with pytest.raises(DeadlineExceededError):
+            client.infer_tensor(zeros(), model=STUB_MODEL, deadline_s=0.03)
+        raised_after_s = time.monotonic() - started
+        client.close()
+    else:
+        async def call() -> float:
+            async with AsyncTritonClassifierClient(config.grpc_url, "grpc") as client:
+                with pytest.raises(DeadlineExceededError):
+                    await client.infer_tensor(zeros(), model=STUB_MODEL, deadline_s=0.03)
+                return time.monotonic() - started
+        raised_after_s = asyncio.run(call())
+    assert raised_after_s < 0.09, f"the caller waited {raised_after_s:.3f} s past a 30 ms deadline"
+    assert stub_counts(config)[0] == successes_before + 1, "close() must wait until the request was answered"
+    assert guarded.guard.counts.client_gone == gone_before, "the client cancelled its request"
+
+
+def test_an_http_call_past_its_deadline_is_waited_for_on_close(guarded):
+    config = guarded.config
+    successes_before = stub_counts(config)[0]
+    client = TritonClassifierClient(config.http_url, "http")
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceededError):
+        client.infer_tensor(zeros(), model=STUB_MODEL, deadline_s=0.03)
+    assert time.monotonic() - started < 0.09
+    client.close()
+    assert stub_counts(config)[0] == successes_before + 1, "close() must wait until the request was answered"
+
+
+# -- a wedged server -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", wedge.CASES)
+def test_a_wedged_server_is_restarted_within_seconds(repository, tmp_path, case):
+    """SIGSTOP of every stub (health still 200) or of tritonserver: serve reports the wedge within 10 s of
+    the SIGSTOP (a probe round a second, 5 s without progress) and serves again; its stop is clean."""
+    config = config_on_free_ports(model_repository=repository.root)
+    result = wedge.wedge(config, tmp_path, case)
+    show(result)
+    assert result["fault"] and "wedged" in result["fault"], result
+    if case == "stubs":
+        assert result["ready_during"] == "200", "the health endpoint must still answer: that is the point"
+    assert result["detected_s"] <= 10.0, result
+    assert result["serving_again_s"] is not None, result
+    assert result["exit_status"] == 0 and not result["leftovers"], result
+
+
+
+# -- the probe script of the containers ------------------------------------------------------------------------
+
+PROBE_SCRIPT = Path(__file__).resolve().parents[1] / "resnet18_kit" / "server" / "probe.py"
+
+
+def run_probe(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(PROBE_SCRIPT), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_the_probe_script_passes_on_a_serving_server_and_fails_on_nothing(triton_server, repository, tmp_path):
+    """What the compose health check and the Kubernetes liveness probe run (standard library only)."""
+    image = str(repository.warmup_image_path)
+    assert run_probe(f"--url={triton_server.config.http_url}", f"--image={image}").returncode == 0
+    (nothing,) = free_ports(1)
+    failed = run_probe(f"--url=127.0.0.1:{nothing}", f"--image={image}", "--timeout-s=0.5", "--kill-wedged")
+    assert failed.returncode == 1 and failed.stderr.count("\n") == 1, failed.stderr  # not live: nothing killed
+    assert "no inference answered or executed" in failed.stderr
+    missing = run_probe(f"--url={triton_server.config.http_url}", f"--image={tmp_path / 'none'}")
+    assert missing.returncode == 1 and "cannot read --image" in missing.stderr and "Traceback" not in missing.stderr
