@@ -79,7 +79,7 @@ class ServerConfig:
     #: gRPC behind the kit's guard (server.grpc_guard): when set, tritonserver's own gRPC listens on
     #: 127.0.0.1 at this port and the guard listens on `host`:`grpc_port`, where clients connect, so no
     #: client's deadline or cancellation reaches Triton 2.51 (docs/reliability.md "Deadlines and
-    #: cancellation"). None: tritonserver listens on `grpc_port` itself. The supervisor runs the guard.
+    #: cancellation"). None: tritonserver listens on `grpc_port` itself. EmbeddedTritonServer runs the guard.
     triton_grpc_port: int | None = None
 
     @property
@@ -243,12 +243,11 @@ class StartCancelled(ServerStartError):
     exit_status = 0
 
 
-def check_ports_free(config: ServerConfig, guard_port: bool = True) -> None:
+def check_ports_free(config: ServerConfig) -> None:
     """Raise PortBusyError naming the first of `config`'s HTTP, gRPC and metrics ports (and tritonserver's
     own gRPC port behind the guard) that is taken right now, and its holder where /proc tells
     (server.resources.busy_port); ConfigurationError for a port outside 1..65535 or one port given for two
-    services. guard_port=False leaves out `grpc_port` when the guard holds it (a restart behind a running
-    guard)."""
+    services."""
     ports = (("HTTP", "--http-port", config.http_port), ("gRPC", "--grpc-port", config.grpc_port),
              ("metrics", "--metrics-port", config.metrics_port))
     internal = () if config.triton_grpc_port is None else (("tritonserver's gRPC", "--grpc-port",
@@ -260,8 +259,7 @@ def check_ports_free(config: ServerConfig, guard_port: bool = True) -> None:
     shared = [flag for _, flag, port in ports if all_ports.count(port) > 1]
     if shared:
         raise ConfigurationError(f"{' and '.join(shared)} are the same port; HTTP, gRPC and metrics need one each")
-    checked = ports if config.triton_grpc_port is None or guard_port else ports[:1] + ports[2:]
-    problem = busy_port(config.host, checked) or busy_port(DEFAULT_HOST, internal)
+    problem = busy_port(config.host, ports) or busy_port(DEFAULT_HOST, internal)
     if problem:
         raise PortBusyError(problem)
 
@@ -286,6 +284,9 @@ class EmbeddedTritonServer:
         self.shm_prefix = f"{PYTHON_BACKEND_SHM_PREFIX}{os.getpid()}x{next(_starts)}_"
         self.process: subprocess.Popen | None = None
         self.started_at: float | None = None
+        #: The gRPC guard in front of tritonserver (server.grpc_guard), when config.triton_grpc_port is set:
+        #: started once the server is ready, stopped after it.
+        self.guard = None
 
     def start(self, ready_timeout_s: float = 300.0, cancelled: Callable[[], bool] | None = None) -> float:
         """Check the ports, start the server and block until it is ready; return seconds from start to
@@ -296,7 +297,7 @@ class EmbeddedTritonServer:
         when tritonserver exits before ready (a model failed to load, a bad option: its first error line
         names it), ServerStartError when `ready_timeout_s` seconds pass.
         """
-        check_ports_free(self.config, guard_port=False)  # a guard in front holds grpc_port itself
+        check_ports_free(self.config)
         if self.log_path:
             Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         output = open(self.log_path, "ab") if self.log_path else None
@@ -312,6 +313,11 @@ class EmbeddedTritonServer:
             output.close()
         try:
             self.wait_ready(ready_timeout_s, cancelled)
+            if self.config.triton_grpc_port is not None:
+                from resnet18_kit.server.grpc_guard import GrpcGuard
+
+                self.guard = GrpcGuard(self.config.host, self.config.grpc_port, self.config.triton_grpc_url)
+                self.guard.start()
         except StartCancelled:
             raise  # still running: it may already hold requests, so the caller stops it gracefully
         except BaseException:
@@ -403,6 +409,8 @@ class EmbeddedTritonServer:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self.remove_shared_memory()
+        if self.guard is not None:  # after the drain, during which it forwarded what clients still sent
+            self.guard.stop(grace_s=0.0)
         return self.process.returncode
 
     def remove_shared_memory(self) -> list[Path]:

@@ -39,7 +39,6 @@ from typing import Callable
 from resnet18_kit.observe.processes import process_alive
 from resnet18_kit.server.embedded import (ConfigurationError, EmbeddedTritonServer, ServerConfig, ServerStartError,
                                           StartCancelled)
-from resnet18_kit.server.grpc_guard import GrpcGuard
 from resnet18_kit.server.overload import QueueWatch
 from resnet18_kit.server.probe import ProgressWatch
 from resnet18_kit.repository import ModelRepository
@@ -108,9 +107,6 @@ class Supervisor:
         self._stop = StopRequest()
         self._stop_request: StopRequest | None = None
         self.exit_status: int | None = None
-        #: The gRPC guard in front of tritonserver (config.triton_grpc_port set): started before the first
-        #: server, kept through restarts, stopped after the last server.
-        self.guard: GrpcGuard | None = None
         #: The wedge check of the server now running (None: off, or no ensemble to probe).
         self._progress: ProgressWatch | None = None
 
@@ -233,26 +229,11 @@ class Supervisor:
     # -- loops ------------------------------------------------------------------------------------------
 
     def run(self, stop: StopRequest) -> int:
-        """Start the server (and the gRPC guard in front of it, when the config has one), supervise it
-        until `stop` asks for a stop, then stop it gracefully (SIGTERM, up to exit_timeout_s;
-        `stop.hurried` cuts that short) and then the guard. Returns 0 on a clean stop (or a stop before
+        """Start the server, supervise it until `stop` asks for a stop, then stop it gracefully (SIGTERM,
+        up to exit_timeout_s; `stop.hurried` cuts that short). Returns 0 on a clean stop (or a stop before
         ready), 1 when the server could not be kept running, did not exit cleanly or was cut short, 2
         when it cannot start (ConfigurationError: a port taken, a model that does not load)."""
         self._stop_request = stop
-        if self.config.triton_grpc_port is not None:
-            self.guard = GrpcGuard(self.config.host, self.config.grpc_port, self.config.triton_grpc_url)
-            try:
-                self.guard.start()
-            except ServerStartError as exc:  # PortBusyError
-                self._event("start-failed", str(exc))
-                return exc.exit_status
-        try:
-            return self._supervise(stop)
-        finally:
-            if self.guard is not None:
-                self.guard.stop(grace_s=0.0 if stop.hurried else 5.0)
-
-    def _supervise(self, stop: StopRequest) -> int:
         try:
             self.start_server()
         except StartCancelled:
