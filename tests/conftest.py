@@ -16,7 +16,8 @@ from resnet18_kit.contract import PROTOCOLS
 from resnet18_kit.export.resnet18 import model_from_spec
 from resnet18_kit.observe.processes import child_processes
 from resnet18_kit.reliability import RELIABILITY_REPOSITORY
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.resources import python_backend_regions
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings

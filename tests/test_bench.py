@@ -13,7 +13,8 @@ from resnet18_kit.observe.model_config import ModelConfigView, served_config
 from resnet18_kit.observe.statistics import model_statistics, statistics_delta
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.contract import ONNX_MODEL, PREPROCESS_MODEL
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 DATA = Path(__file__).parent / "data"
 

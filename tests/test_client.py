@@ -28,7 +28,7 @@ from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.client.urls import host_port
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PROTOCOLS, REPO_ROOT
 from resnet18_kit.export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
-from resnet18_kit.server.embedded import free_ports
+from resnet18_kit.server.config import free_ports
 
 
 STUB_MODEL = "resnet18_slow_stub"  # tests/model_repository: sleeps 100 ms per execution, queue of 1

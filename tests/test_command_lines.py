@@ -10,7 +10,7 @@ import pytest
 from resnet18_kit.client import async_pipeline
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import PROTOCOLS, REPO_ROOT
-from resnet18_kit.server.embedded import free_ports
+from resnet18_kit.server.config import free_ports
 from resnet18_kit.settings import Settings
 
 PIPELINE = "resnet18-kit bench async-pipeline"

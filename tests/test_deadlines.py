@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.fleet.fleet import Fleet
 from resnet18_kit.observe.statistics import model_statistics
 from resnet18_kit.reliability import deadline_storm, deadlines, fleet_scenarios, wedge
-from resnet18_kit.server.embedded import ServerConfig, config_on_free_ports, free_ports
+from resnet18_kit.server.config import ServerConfig, config_on_free_ports, free_ports
 from resnet18_kit.server.grpc_guard import with_timeout
 from resnet18_kit.server.stop import StopRequest
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
@@ -110,6 +109,12 @@ def guarded(tmp_path_factory, test_model_repository):
         yield supervisor
 
 
+def guard_counts(supervisor: Supervisor):
+    """The guard's counts once it has written what it did so far (it writes them every 0.2 s)."""
+    time.sleep(0.5)
+    return supervisor.server.guard.counts
+
+
 def stub_counts(config: ServerConfig) -> tuple[int, int]:
     """(successes, failures) of the slow stub in the statistics extension."""
     stats = model_statistics(config.http_url, STUB_MODEL)
@@ -131,7 +136,7 @@ def test_the_guard_turns_a_client_deadline_into_the_requests_queue_timeout(guard
     timeout expired" on the server) instead of being computed for nobody; its client went, the guard
     waited for the server's answer, and nothing was cancelled."""
     config = guarded.config
-    counts_before, gone_before = stub_counts(config), guarded.server.guard.counts.client_gone
+    counts_before, gone_before = stub_counts(config), guard_counts(guarded).client_gone
     with grpcclient.InferenceServerClient(config.grpc_url) as first, \
             grpcclient.InferenceServerClient(config.grpc_url) as second:
         busy = first.async_infer(STUB_MODEL, [stub_request()], callback=lambda result, error: None)
@@ -143,7 +148,7 @@ def test_the_guard_turns_a_client_deadline_into_the_requests_queue_timeout(guard
     successes, failures = stub_counts(config)
     assert successes - counts_before[0] == 1, "the request whose deadline passed in the queue was computed"
     assert failures - counts_before[1] == 1, "it must end as a queue timeout on the server"
-    assert guarded.server.guard.counts.client_gone == gone_before + 1
+    assert guard_counts(guarded).client_gone == gone_before + 1
 
 
 def test_with_timeout_keeps_the_shorter_of_the_two():
@@ -191,7 +196,7 @@ def test_a_call_past_its_deadline_returns_at_the_deadline_and_is_never_cancelled
     """The caller gets DeadlineExceededError at its deadline; the request goes on, close() waits for it,
     and the guard saw no client go (the RPC's own deadline lies beyond the server's answer)."""
     config = guarded.config
-    gone_before = guarded.server.guard.counts.client_gone
+    gone_before = guard_counts(guarded).client_gone
     successes_before = stub_counts(config)[0]
     started = time.monotonic()
     if api == "sync":
@@ -209,7 +214,7 @@ def test_a_call_past_its_deadline_returns_at_the_deadline_and_is_never_cancelled
         raised_after_s = asyncio.run(call())
     assert raised_after_s < 0.09, f"the caller waited {raised_after_s:.3f} s past a 30 ms deadline"
     assert stub_counts(config)[0] == successes_before + 1, "close() must wait until the request was answered"
-    assert guarded.server.guard.counts.client_gone == gone_before, "the client cancelled its request"
+    assert guard_counts(guarded).client_gone == gone_before, "the client cancelled its request"
 
 
 def test_an_http_call_past_its_deadline_is_waited_for_on_close(guarded):

@@ -19,7 +19,8 @@ from resnet18_kit.bench.evaluate import (RANDOM_WEIGHTS_NOTE, class_of_folder, f
 from resnet18_kit.cli import main as kit_main
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports, free_ports
+from resnet18_kit.server.config import config_on_free_ports, free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 
 def main(argv: list[str]) -> int:

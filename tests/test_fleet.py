@@ -23,14 +23,16 @@ import tritonclient.http as httpclient
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.observe.processes import child_processes
 from resnet18_kit.reliability import fleet_scenarios
-from resnet18_kit.server.embedded import free_ports
+from resnet18_kit.server.config import free_ports
 from resnet18_kit.server.resources import python_backend_regions
 
 KIT = Path(sys.executable).parent / "resnet18-kit"
 #: The target of an even spread: each replica within 10 % of 1/N.
 SPREAD_TOLERANCE = 0.10
-#: Refusals through the fleet come back within this, p99 at the client.
-REFUSAL_P99_MS = 50.0
+#: Refusals through the fleet come back within this, p99 at the client. Through HAProxy straight to the
+#: replicas' tritonservers it was 16 ms; each replica's gRPC guard (server.grpc_guard, on by default)
+#: adds a hop in Python, and the refusal p99 of this flood on 2 cores became 55-83 ms.
+REFUSAL_P99_MS = 100.0
 
 
 @pytest.fixture(scope="module")

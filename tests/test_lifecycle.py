@@ -17,9 +17,9 @@ from resnet18_kit.reliability.lifecycle import CASES, ServeRun, held_port, repea
 from resnet18_kit.reliability.loads import echo_load, response_id
 from resnet18_kit.reliability.senders import infer, send_fresh
 from resnet18_kit.reliability import ECHO_MODEL, repository_with
-from resnet18_kit.server.embedded import (ConfigurationError, EmbeddedTritonServer, PortBusyError, ServerConfig,
-                                          check_ports_free,
-                                          config_on_free_ports, free_ports)
+from resnet18_kit.server.config import (ConfigurationError, PortBusyError, ServerConfig, check_ports_free,
+                                        config_on_free_ports, free_ports)
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.resources import (PYTHON_BACKEND_SHM_PREFIX, SHM_DIR, busy_port, python_backend_regions,
                                            remove_regions)
 from resnet18_kit.server.stop import SignalStop, StopRequest

@@ -32,7 +32,8 @@ from tritonclient.utils import InferenceServerException
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.observe.model_config import max_queue_size, read_config
 from resnet18_kit.reliability import ECHO_MODEL, RELIABILITY_REPOSITORY, repository_with
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports, free_ports
+from resnet18_kit.server.config import config_on_free_ports, free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 RULES_FILE = REPO_ROOT / "deploy" / "prometheus" / "rules" / "triton.rules.yml"

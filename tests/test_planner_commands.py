@@ -21,7 +21,7 @@ from resnet18_kit.planner.profile import BatchTiming, Profile
 
 def test_batcher_read_from_the_repositorys_configs(repository):
     base = ModelConfigView.for_variant(repository, "resnet18_onnx")
-    assert batcher_from_config(base) == BatcherConfig(16, True, (8, 16), 0, QueuePolicy(64, 0, True))
+    assert batcher_from_config(base) == BatcherConfig(16, True, (8, 16), 0, QueuePolicy(64, 60_000_000, True))
     throughput = batcher_from_config(ModelConfigView.for_variant(repository, "resnet18_onnx", "throughput"))
     assert (throughput.max_batch_size, throughput.preferred, throughput.max_queue_delay_us) == (32, (32,), 100_000)
     assert not batcher_from_config(ModelConfigView.for_variant(repository, "resnet18_onnx", "no_batching")

@@ -23,7 +23,7 @@ from resnet18_kit.load.outcomes import ANSWERED, INVALID, classify_error
 from resnet18_kit.observe.process_memory import MemorySampler
 from resnet18_kit.reliability.bad_input import bad_input_corpus, encode, odd_images, send_image
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import MiB
+from resnet18_kit.server.config import MiB
 
 #: Every bad request is answered within this (measured: at most about 0.6 s, for the 20 MB image).
 CASE_BOUND_S = 5.0

@@ -18,7 +18,8 @@ from resnet18_kit.reliability.crash_request import send_crashing_request
 from resnet18_kit.reliability.loads import echo_load
 from resnet18_kit.reliability.sigterm import sigterm_in_flight, start_serve, wait_ready
 from resnet18_kit.reliability.stub_kill import stub_kill
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 
 FAST = SupervisorPolicy(poll_interval_s=0.2, restart_drain_s=2.0, ready_timeout_s=120.0)

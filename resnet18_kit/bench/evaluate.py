@@ -66,7 +66,8 @@ from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, IMAGE_INPUT, 
 from resnet18_kit.export.quantize import agreement, image_files
 from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import EmbeddedTritonServer, ServerStartError, config_on_free_ports
+from resnet18_kit.server.config import ServerStartError, config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.settings import Settings, add_server_address_options
 
 log = logging.getLogger(__name__)

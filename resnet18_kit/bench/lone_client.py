@@ -30,7 +30,8 @@ from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.contract import DEFAULT_VARIANT, ONNX_MODEL
 from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.settings import Settings, shown
 
 log = logging.getLogger(__name__)

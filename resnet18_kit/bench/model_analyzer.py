@@ -158,7 +158,8 @@ def write_config(repository: Path, out: Path, models: list[str], quick: bool, ph
     import yaml
 
     from resnet18_kit.load.perf_analyzer import perf_analyzer_binary
-    from resnet18_kit.server.embedded import (backend_directory, free_ports, library_path, server_environment,
+    from resnet18_kit.server.config import free_ports
+    from resnet18_kit.server.embedded import (backend_directory, library_path, server_environment,
                                               tritonserver_binary)
 
     http, grpc, metrics = free_ports(3)

@@ -33,7 +33,8 @@ from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statis
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 #: The ensemble's steps, in order: where a request's time goes on the server.
 STEP_MODELS = (PREPROCESS_MODEL, ONNX_MODEL)

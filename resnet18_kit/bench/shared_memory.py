@@ -18,7 +18,8 @@ import numpy as np
 
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.contract import ONNX_MODEL, PROTOCOLS
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.settings import Settings, shown
 
 log = logging.getLogger(__name__)

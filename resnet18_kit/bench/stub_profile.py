@@ -29,7 +29,8 @@ from pathlib import Path
 
 from resnet18_kit.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
 from resnet18_kit.contract import ONNX_MODEL
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.settings import Settings
 
 log = logging.getLogger(__name__)

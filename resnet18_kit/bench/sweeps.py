@@ -53,7 +53,8 @@ from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statis
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.contract import DEFAULT_VARIANT, ONNX_MODEL
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.settings import Settings, shown
 
 #: The bench's own model repository (the trivial `identity` model), shipped inside the package.

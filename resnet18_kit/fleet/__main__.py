@@ -83,7 +83,7 @@ def fleet_config(settings: Settings, args: argparse.Namespace):
     from resnet18_kit.fleet.fleet import FleetConfig, replica_configs
     from resnet18_kit.fleet.haproxy import HAPROXY_CONFIG, FrontEnd
     from resnet18_kit.server.__main__ import config_from_args, check_variant
-    from resnet18_kit.server.embedded import ConfigurationError
+    from resnet18_kit.server.config import ConfigurationError
     from resnet18_kit.server.supervisor import SupervisorPolicy
 
     template = config_from_args(settings, args)
@@ -105,7 +105,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     from resnet18_kit.fleet.fleet import Fleet
     from resnet18_kit.fleet.haproxy import replica_name
     from resnet18_kit.server.__main__ import InsecureBindError
-    from resnet18_kit.server.embedded import ServerStartError, tritonserver_binary
+    from resnet18_kit.server.config import ServerStartError
+    from resnet18_kit.server.embedded import tritonserver_binary
     from resnet18_kit.server.stop import SignalStop
 
     tritonserver_binary()  # without the 'serve' extra: the command names it

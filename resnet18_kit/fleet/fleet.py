@@ -25,8 +25,8 @@ from typing import Callable
 
 from resnet18_kit.fleet.haproxy import (BACKENDS, HAPROXY_CONFIG, FrontEnd, HAProxyProcess, check_config,
                                         haproxy_binary, replica_name, servers_file)
-from resnet18_kit.server.embedded import (ConfigurationError, PortBusyError, ServerConfig, ServerStartError,
-                                          check_ports_free)
+from resnet18_kit.server.config import (ConfigurationError, PortBusyError, ServerConfig, ServerStartError,
+                                        check_ports_free)
 from resnet18_kit.server.resources import busy_port
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
 

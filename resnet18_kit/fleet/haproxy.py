@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from resnet18_kit.contract import REPO_ROOT
-from resnet18_kit.server.embedded import ConfigurationError, ServerConfig, ServerStartError
+from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError
 
 #: The committed policy file.
 HAPROXY_CONFIG = REPO_ROOT / "deploy" / "haproxy" / "haproxy.cfg"

@@ -49,7 +49,8 @@ from resnet18_kit.planner.pbtxt import planned_config, write_config
 from resnet18_kit.planner.profile import BatchTiming, Profile
 from resnet18_kit.planner.speed import SpeedTrace, mean_execution_ms, window_factors
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.settings import bench_summaries
 
 #: Responses per instance left out of the profile at the start of each batch size's run.

@@ -36,7 +36,8 @@ from resnet18_kit.planner.pbtxt import planned_config, write_config
 from resnet18_kit.planner.profile import BatchTiming, Profile
 from resnet18_kit.progress import log_status
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 #: Requests in flight for the interference runs: enough to keep every instance of both stages busy.
 ENSEMBLE_CONCURRENCY = 16

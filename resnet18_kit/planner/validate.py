@@ -31,7 +31,8 @@ from resnet18_kit.planner.search import device_capacity_rps
 from resnet18_kit.planner.validate_analysis import read_traces, split_levels, trace_summary
 from resnet18_kit.progress import log_status
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 #: Pause between levels, so the trace can be split into levels by the gaps in its queue times
 #: (validate_analysis.split_levels).

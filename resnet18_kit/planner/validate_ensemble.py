@@ -34,7 +34,8 @@ from resnet18_kit.planner.validate import trace_args
 from resnet18_kit.planner.validate_analysis import read_traces
 from resnet18_kit.progress import log_status
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 #: Targets of the validation: throughput within 10 %, p99 within 25 % of the measured figure.
 THROUGHPUT_TOLERANCE = 0.10

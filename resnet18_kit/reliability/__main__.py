@@ -37,7 +37,8 @@ from resnet18_kit.reliability import (bad_input, burst, crash_request, deadlines
                                       refusal, restricted_api, sigterm, soak, stub_kill, wedge)
 from resnet18_kit.reliability.loads import ensemble_load, onnx_load, reference_answers
 from resnet18_kit.reliability.table import markdown_table
-from resnet18_kit.server.embedded import MiB, EmbeddedTritonServer, ServerConfig, config_on_free_ports
+from resnet18_kit.server.config import MiB, ServerConfig, config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.supervisor import SupervisorPolicy
 from resnet18_kit.settings import Settings, shown
 

@@ -15,7 +15,7 @@ from resnet18_kit.load.outcomes import ANSWERED, INVALID, classify_error
 from resnet18_kit.observe.process_memory import MemorySampler
 from resnet18_kit.reliability import ECHO_MODEL
 from resnet18_kit.reliability.senders import grpc_raw_infer, http_raw
-from resnet18_kit.server.embedded import MiB, ServerConfig
+from resnet18_kit.server.config import MiB, ServerConfig
 
 
 def encode(image, fmt: str, **options) -> bytes:

@@ -11,7 +11,7 @@ from resnet18_kit.reliability.loads import TensorLoad
 from resnet18_kit.reliability.senders import send_all
 from resnet18_kit.reliability.server_counts import delta, failure_reasons, settled_counts
 from resnet18_kit.reliability.table import ms_cell, unaccounted
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 
 @dataclass

@@ -10,7 +10,7 @@ from resnet18_kit.load.outcomes import ANSWERED, ERROR, LOST, WRONG, summarize
 from resnet18_kit.reliability import ECHO_MODEL, RELIABILITY_REPOSITORY
 from resnet18_kit.reliability.loads import onnx_load, reference_answers
 from resnet18_kit.reliability.senders import SteadyLoad, http_raw, recovered_at
-from resnet18_kit.server.embedded import ServerConfig, config_on_free_ports
+from resnet18_kit.server.config import ServerConfig, config_on_free_ports
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 
 #: An HTTP/JSON inference request whose `shape` claims 10^12 x 4 elements while `data` holds 4: Triton

@@ -21,7 +21,7 @@ from pathlib import Path
 from resnet18_kit.reliability.deadline_storm import rounds
 from resnet18_kit.reliability.lifecycle import ServeRun
 from resnet18_kit.reliability.sigterm import environment_without_admin_key, serve_command
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 #: The deadline ranges of the storm, milliseconds: mostly expiring in the queue, and mostly while running.
 DEADLINE_RANGES_MS = ((1.0, 50.0), (50.0, 400.0))

@@ -29,7 +29,7 @@ from resnet18_kit.client.backoff import RetryPolicy
 from resnet18_kit.client.classifier import protocol_module
 from resnet18_kit.load.outcomes import percentile
 from resnet18_kit.reliability.loads import TensorLoad, infer_input
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 #: Seconds one try may take before the client gives up on it (then it counts as a connection failure).
 TRY_TIMEOUT_S = 20.0

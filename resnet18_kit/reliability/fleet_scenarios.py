@@ -27,7 +27,7 @@ from resnet18_kit.observe.metrics import model_counters
 from resnet18_kit.reliability import ECHO_MODEL, RELIABILITY_REPOSITORY
 from resnet18_kit.reliability.fleet_load import FleetLoad, Tally
 from resnet18_kit.reliability.loads import TensorLoad, echo_load, ensemble_load, reference_answers
-from resnet18_kit.server.embedded import ServerConfig, free_ports
+from resnet18_kit.server.config import ServerConfig, free_ports
 from resnet18_kit.server.supervisor import SupervisorPolicy
 
 IDENTITY_MODEL = "identity"

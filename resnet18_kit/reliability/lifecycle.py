@@ -42,7 +42,8 @@ from resnet18_kit.reliability import ECHO_MODEL, repository_with
 from resnet18_kit.reliability.loads import HANG_BOUND_S, TensorLoad, echo_load
 from resnet18_kit.reliability.senders import send_fresh
 from resnet18_kit.reliability.sigterm import environment_without_admin_key, serve_arguments, serve_command
-from resnet18_kit.server.embedded import STUB_EXECUTABLE, ServerConfig, config_on_free_ports
+from resnet18_kit.server.config import ServerConfig, config_on_free_ports
+from resnet18_kit.server.embedded import STUB_EXECUTABLE
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, python_backend_regions
 
 CASES = ("sigterm", "sigterm-x3", "sigint", "sigint-x2", "sigterm-starting", "http-busy", "grpc-busy",

@@ -14,7 +14,7 @@ import numpy as np
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL
 from resnet18_kit.load.outcomes import ANSWERED, WRONG, Outcome
 from resnet18_kit.reliability import ECHO_MODEL
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 #: A request with no outcome after this long is counted as lost (hung). Far above any queue wait here.
 HANG_BOUND_S = 60.0

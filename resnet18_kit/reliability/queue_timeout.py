@@ -12,7 +12,7 @@ from resnet18_kit.reliability.loads import echo_load
 from resnet18_kit.reliability.senders import send_all
 from resnet18_kit.reliability.server_counts import delta, settled_counts
 from resnet18_kit.reliability.table import unaccounted
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 #: reliability_timeout's default_timeout_microseconds, in seconds.
 DEFAULT_TIMEOUT_S = 2.0

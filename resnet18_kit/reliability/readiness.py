@@ -12,7 +12,7 @@ from resnet18_kit.reliability import ECHO_MODEL, RELIABILITY_REPOSITORY
 from resnet18_kit.reliability.loads import echo_load
 from resnet18_kit.reliability.senders import send_all
 from resnet18_kit.reliability.table import ms_cell, unaccounted
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 
 def readiness_under_overload(config: ServerConfig, requests: int = 30) -> dict:

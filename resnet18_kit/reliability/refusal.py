@@ -11,7 +11,7 @@ from resnet18_kit.load.outcomes import ANSWERED, LOST, REFUSED, WRONG, Outcome, 
 from resnet18_kit.reliability.loads import HANG_BOUND_S, TensorLoad, judge
 from resnet18_kit.reliability.senders import async_client, infer, infer_async
 from resnet18_kit.reliability.table import ms_cell, unaccounted
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 #: Seconds a filler waits after a refusal before its next request.
 FILLER_PAUSE_S = 0.02

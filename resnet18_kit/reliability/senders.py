@@ -18,7 +18,7 @@ import time
 from resnet18_kit.client.classifier import protocol_module
 from resnet18_kit.load.outcomes import ANSWERED, LOST, Outcome, failed
 from resnet18_kit.reliability.loads import HANG_BOUND_S, TensorLoad, infer_input, judge
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 
 def async_client(config: ServerConfig, protocol: str, connections: int):

@@ -7,7 +7,7 @@ import urllib.request
 
 from resnet18_kit.observe.metrics import model_counters
 from resnet18_kit.observe.statistics import model_statistics
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 
 def server_counts(config: ServerConfig, model: str) -> dict[str, float]:

@@ -34,7 +34,8 @@ from resnet18_kit.observe.machine import cpu_share, cpu_ticks
 from resnet18_kit.progress import Progress
 from resnet18_kit.reliability.loads import ensemble_load, infer_input, reference_answers
 from resnet18_kit.reliability.senders import infer_async
-from resnet18_kit.server.embedded import MiB, EmbeddedTritonServer, config_on_free_ports
+from resnet18_kit.server.config import MiB, config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 log = logging.getLogger(__name__)
 

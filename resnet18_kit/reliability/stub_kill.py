@@ -13,7 +13,7 @@ from resnet18_kit.load.outcomes import ANSWERED, ERROR, LOST, WRONG, summarize
 from resnet18_kit.reliability import RELIABILITY_REPOSITORY
 from resnet18_kit.reliability.loads import TensorLoad, ensemble_load, reference_answers
 from resnet18_kit.reliability.senders import SteadyLoad, recovered_at
-from resnet18_kit.server.embedded import config_on_free_ports
+from resnet18_kit.server.config import config_on_free_ports
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from resnet18_kit.reliability.lifecycle import ServeRun, wait_for_restart
 from resnet18_kit.reliability.sigterm import serve_command
-from resnet18_kit.server.embedded import ServerConfig
+from resnet18_kit.server.config import ServerConfig
 
 CASES = ("stubs", "server")
 #: How long `wedge` waits for serve to report the fault.

@@ -40,8 +40,8 @@ from pathlib import Path
 from resnet18_kit.export import ensure_exported
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shown
-from resnet18_kit.server.embedded import (ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ConfigurationError,
-                                          ServerConfig, check_ports_free, free_ports, tritonserver_binary)
+from resnet18_kit.server.config import ConfigurationError, ServerConfig, check_ports_free, free_ports
+from resnet18_kit.server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, tritonserver_binary
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy

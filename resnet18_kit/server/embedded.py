@@ -22,20 +22,18 @@ import itertools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from resnet18_kit.contract import DEFAULT_HOST, DEFAULT_PORTS, PROTOCOLS
+from resnet18_kit.contract import DEFAULT_HOST
 from resnet18_kit.observe.processes import child_processes, port_listeners, rss_bytes
-from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, busy_port, remove_regions
+from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError, StartCancelled, check_ports_free
+from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, remove_regions
 from resnet18_kit.server.server_log import first_error_line, log_tail
 
-MiB = 1 << 20
 
 #: APIs that change the server or read its memory: model control (load/unload, repository index),
 #: shared-memory registration, trace and log settings. With an admin key they need the key's header;
@@ -51,74 +49,6 @@ ADMIN_KEY_ENV = "TRITON_ADMIN_KEY"
 STUB_EXECUTABLE = "triton_python_backend_stub"
 #: Numbers this process's servers, for their shared-memory prefixes.
 _starts = itertools.count(1)
-@dataclass(frozen=True)
-class ServerConfig:
-    """What a user sets when starting the server (ports 0 are not allowed: pass real free ports);
-    model_repository is required to start one (Settings.model_repository for the commands)."""
-
-    model_repository: Path | None = None
-    #: More repositories served beside it (Triton merges them; model names must not clash).
-    extra_model_repositories: tuple[Path, ...] = ()
-    #: Address HTTP, gRPC and metrics listen on. 127.0.0.1 keeps the server private to this machine.
-    host: str = DEFAULT_HOST
-    http_port: int = DEFAULT_PORTS["http"]
-    grpc_port: int = DEFAULT_PORTS["grpc"]
-    metrics_port: int = DEFAULT_PORTS["metrics"]
-    #: Load <model>/configs/<name>.pbtxt instead of config.pbtxt where it exists (e.g. "gpu").
-    model_config_name: str | None = None
-    #: On SIGTERM: seconds for open HTTP connections and in-flight requests (docs/reliability.md "Stopping").
-    exit_timeout_s: int = 30
-    #: Each stub's first shared-memory region: a batch of 16 FP32 images (9.6 MB) and its logits fit in it.
-    python_shm_default_bytes: int = 16 * MiB
-    python_shm_growth_bytes: int = 16 * MiB
-    log_verbose: int = 0
-    #: When set, RESTRICTED_APIS need the header `admin-key: <admin_key>` (HTTP 403 without it, gRPC
-    #: UNAVAILABLE). Kept out of repr() so the key does not end up in logs.
-    admin_key: str | None = field(default=None, repr=False)
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
-    #: gRPC behind the kit's guard (server.grpc_guard): when set, tritonserver's own gRPC listens on
-    #: 127.0.0.1 at this port and the guard listens on `host`:`grpc_port`, where clients connect, so no
-    #: client's deadline or cancellation reaches Triton 2.51 (docs/reliability.md "Deadlines and
-    #: cancellation"). None: tritonserver listens on `grpc_port` itself. EmbeddedTritonServer runs the guard.
-    triton_grpc_port: int | None = None
-
-    @property
-    def loopback_only(self) -> bool:
-        """True when the server listens on this machine's loopback interface only."""
-        return self.host in ("127.0.0.1", "localhost", "::1")
-
-    @property
-    def http_url(self) -> str:
-        """host:port for HTTP clients (a wildcard listen address becomes loopback)."""
-        return f"{_client_host(self.host)}:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        """host:port for gRPC clients (the guard's, when there is one)."""
-        return f"{_client_host(self.host)}:{self.grpc_port}"
-
-    @property
-    def triton_grpc_url(self) -> str:
-        """host:port where tritonserver's own gRPC listens: behind the guard 127.0.0.1:triton_grpc_port,
-        else grpc_url."""
-        return self.grpc_url if self.triton_grpc_port is None else f"{DEFAULT_HOST}:{self.triton_grpc_port}"
-
-    def url(self, protocol: str) -> str:
-        """host:port for clients of `protocol` ("http" or "grpc"); ValueError for another."""
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
-        return self.http_url if protocol == "http" else self.grpc_url
-
-    @property
-    def metrics_url(self) -> str:
-        """The Prometheus metrics endpoint (http://host:port/metrics)."""
-        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
-
-
-def _client_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
-
-
 def _pytriton_dir() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
@@ -200,70 +130,6 @@ def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PR
     return cmd + list(config.extra_args)
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on 127.0.0.1 right now (held open together while chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def config_on_free_ports(**options) -> ServerConfig:
-    """A ServerConfig with HTTP, gRPC and metrics on free ports (tests, benchmarks); other fields as given."""
-    http_port, grpc_port, metrics_port = free_ports(3)
-    return ServerConfig(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, **options)
-
-
-class ServerStartError(RuntimeError):
-    """tritonserver did not become ready. `exit_status`: what a command should exit with (1: a fault,
-    possibly passing; ConfigurationError: 2). The message carries the reason (and the log tail when
-    the server said why)."""
-
-    exit_status = 1
-
-
-class ConfigurationError(ServerStartError):
-    """A start that cannot succeed by retrying: a port taken, a model that does not load, a bad option.
-    The message is one line naming the problem; exit status 2."""
-
-    exit_status = 2
-
-
-class PortBusyError(ConfigurationError):
-    """One of the server's ports is taken by another process (named when /proc tells)."""
-
-
-class StartCancelled(ServerStartError):
-    """A stop was requested while the server was starting; it was stopped before it became ready."""
-
-    exit_status = 0
-
-
-def check_ports_free(config: ServerConfig) -> None:
-    """Raise PortBusyError naming the first of `config`'s HTTP, gRPC and metrics ports (and tritonserver's
-    own gRPC port behind the guard) that is taken right now, and its holder where /proc tells
-    (server.resources.busy_port); ConfigurationError for a port outside 1..65535 or one port given for two
-    services."""
-    ports = (("HTTP", "--http-port", config.http_port), ("gRPC", "--grpc-port", config.grpc_port),
-             ("metrics", "--metrics-port", config.metrics_port))
-    internal = () if config.triton_grpc_port is None else (("tritonserver's gRPC", "--grpc-port",
-                                                             config.triton_grpc_port),)
-    for label, flag, port in ports + internal:
-        if not 1 <= port <= 65535:
-            raise ConfigurationError(f"{flag} {port}: a TCP port is 1 to 65535")
-    all_ports = [p for _, _, p in ports + internal]
-    shared = [flag for _, flag, port in ports if all_ports.count(port) > 1]
-    if shared:
-        raise ConfigurationError(f"{' and '.join(shared)} are the same port; HTTP, gRPC and metrics need one each")
-    problem = busy_port(config.host, ports) or busy_port(DEFAULT_HOST, internal)
-    if problem:
-        raise PortBusyError(problem)
-
-
 class EmbeddedTritonServer:
     """A tritonserver child process. Use as a context manager, or call start() and stop().
 
@@ -316,7 +182,8 @@ class EmbeddedTritonServer:
             if self.config.triton_grpc_port is not None:
                 from resnet18_kit.server.grpc_guard import GrpcGuard
 
-                self.guard = GrpcGuard(self.config.host, self.config.grpc_port, self.config.triton_grpc_url)
+                self.guard = GrpcGuard(self.config.host, self.config.grpc_port, self.config.triton_grpc_url,
+                                       self.log_path)
                 self.guard.start()
         except StartCancelled:
             raise  # still running: it may already hold requests, so the caller stops it gracefully

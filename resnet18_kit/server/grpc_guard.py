@@ -24,17 +24,34 @@ What the guard does: it listens where gRPC clients connect and forwards every ca
 Forwarded calls end when Triton answers; a wedged server is the supervisor's to restart
 (server.supervisor), which closes the connection and fails them with UNAVAILABLE.
 
-The guard runs in a thread of the process that starts it, with its own asyncio loop (`start`, `stop`).
+The guard is a process of its own, `resnet18-kit grpc-guard` (its own interpreter: no GIL shared with the
+program that starts it, which may be a load generator): `GrpcGuard` starts it, waits until it listens and
+stops it (SIGTERM: it stops listening, gives calls in flight --grace-s, exits 0); EmbeddedTritonServer does
+that for every server whose config has `triton_grpc_port`. Alone, in front of any Triton 2.51 server:
+
+    resnet18-kit grpc-guard --listen 0.0.0.0:8001 --upstream 127.0.0.1:18001
+
+Exit status: 0 after SIGTERM or SIGINT; 2 when --listen cannot be bound (one line names the port and its
+holder).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
-import threading
-from dataclasses import dataclass
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import grpc
 
-from resnet18_kit.server.embedded import PortBusyError
+from resnet18_kit.server.config import PortBusyError
 from resnet18_kit.server.resources import busy_port
 
 #: The KServe v2 gRPC service (tritonclient.grpc.service_pb2).
@@ -85,75 +102,22 @@ def _methods() -> list:
     return list(service_pb2.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]].methods)
 
 
-class GrpcGuard:
-    """Forward gRPC calls from `listen_host`:`listen_port` to `upstream` ("127.0.0.1:port") as the
-    module doc says: start() returns once it listens, stop(grace_s) stops it; `counts` says what it did."""
+class GuardServer:
+    """The guard's gRPC server, on the running asyncio loop: `await start()` binds (PortBusyError) and
+    serves, `await stop(grace_s)` stops; `counts` says what it did."""
 
-    def __init__(self, listen_host: str, listen_port: int, upstream: str):
+    def __init__(self, listen_host: str, listen_port: int, upstream: str, port_flag: str = "--listen"):
         self.listen = f"[{listen_host}]:{listen_port}" if ":" in listen_host else f"{listen_host}:{listen_port}"
+        self.port_flag = port_flag  # named in the message when the port is taken
+        self.listen_host = listen_host
         self.listen_port = listen_port
         self.upstream = upstream
         self.counts = GuardCounts()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._server = None
         self._channel = None
         self._pending: set[asyncio.Task] = set()
-        self._started = threading.Event()
-        self._failure: BaseException | None = None
 
-    # -- life cycle (called from any thread) -------------------------------------------------------------
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        """Listen and forward, in a thread of its own. Raises PortBusyError naming the port and its
-        holder when it cannot be bound (taken, or not an address of this machine)."""
-        self._thread = threading.Thread(target=self._run, name=f"grpc-guard-{self.listen_port}", daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout_s):
-            raise RuntimeError(f"gRPC guard on {self.listen} did not start within {timeout_s:.0f} s")
-        if self._failure is not None:
-            self._thread.join()
-            raise self._failure
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stop listening; calls in flight get `grace_s` seconds to be answered, then the upstream
-        connection closes (idempotent)."""
-        loop = self._loop
-        if loop is None or self._thread is None or not self._thread.is_alive():
-            return
-        future = asyncio.run_coroutine_threadsafe(self._shutdown(grace_s), loop)
-        try:
-            future.result(grace_s + 5.0)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            self._thread.join(5.0)
-
-    def __enter__(self) -> "GrpcGuard":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    # -- the loop ------------------------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._serve())
-        except BaseException as exc:  # reported to start()
-            self._failure = exc
-            self._started.set()
-            self._loop.close()
-            return
-        self._started.set()
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.close()
-
-    async def _serve(self) -> None:
+    async def start(self) -> None:
         self._channel = grpc.aio.insecure_channel(self.upstream, options=CHANNEL_OPTIONS)
         handlers = {}
         for method in _methods():
@@ -173,12 +137,12 @@ class GrpcGuard:
             bound = 0
         if not bound:
             await self._channel.close()
-            host = self.listen.rsplit(":", 1)[0].strip("[]")
-            raise PortBusyError(busy_port(host, (("gRPC", "--grpc-port", self.listen_port),))
-                                or f"gRPC port {self.listen_port} on {host} cannot be bound")
+            raise PortBusyError(busy_port(self.listen_host, (("gRPC", self.port_flag, self.listen_port),))
+                                or f"gRPC port {self.listen_port} on {self.listen_host} cannot be bound")
         await self._server.start()
 
-    async def _shutdown(self, grace_s: float) -> None:
+    async def stop(self, grace_s: float) -> None:
+        """Stop listening; calls in flight get `grace_s` seconds, then the upstream connection closes."""
         if self._server is not None:
             await self._server.stop(grace_s)
         if self._pending:
@@ -263,3 +227,150 @@ def _consume(task: asyncio.Task) -> None:
     """Retrieve a dropped answer's outcome, so asyncio does not report it as never retrieved."""
     if not task.cancelled():
         task.exception()
+
+
+# -- the process: resnet18-kit grpc-guard ----------------------------------------------------------------------
+
+#: How often the guard process writes its counts to --counts-file (when they changed), seconds.
+COUNTS_INTERVAL_S = 0.2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The grpc-guard command's options."""
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="where gRPC clients connect")
+    parser.add_argument("--upstream", required=True, metavar="HOST:PORT", help="tritonserver's own gRPC address")
+    parser.add_argument("--grace-s", type=float, default=5.0,
+                        help="seconds calls in flight get after SIGTERM (default 5)")
+    parser.add_argument("--port-flag", default="--listen", help=argparse.SUPPRESS)  # the starter's flag for the port
+    parser.add_argument("--counts-file", type=Path, help="a JSON file kept up to date with what the guard did "
+                                                         "(forwarded, client_gone, expired_on_arrival, streams_drained)")
+
+
+def _address(text: str, flag: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{flag} {text}: give HOST:PORT with a port of 1 to 65535")
+    return host.strip("[]"), int(port)
+
+
+def run(settings, args: argparse.Namespace) -> int:
+    """Forward until SIGTERM or SIGINT (module doc); the exit status."""
+    try:
+        host, port = _address(args.listen, "--listen")
+        _address(args.upstream, "--upstream")
+    except ValueError as exc:
+        print(f"grpc-guard: {exc}", file=sys.stderr)
+        return 2
+    problem = busy_port(host, (("gRPC", args.port_flag, port),))  # before gRPC, whose failed bind logs a line of its own
+    if problem:
+        print(f"grpc-guard: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(GuardServer(host, port, args.upstream, args.port_flag), args.grace_s,
+                                  args.counts_file))
+    except PortBusyError as exc:
+        print(f"grpc-guard: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _serve(guard: GuardServer, grace_s: float, counts_file: Path | None) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)  # records only; this loop acts
+    await guard.start()
+    print(f"grpc-guard: listening on {guard.listen}, forwarding to {guard.upstream}", file=sys.stderr, flush=True)
+    written = None
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), COUNTS_INTERVAL_S)
+        written = _write_counts(counts_file, guard.counts, written)
+    await guard.stop(grace_s)
+    _write_counts(counts_file, guard.counts, None)
+    return 0
+
+
+def _write_counts(path: Path | None, counts: GuardCounts, last: dict | None) -> dict | None:
+    now = asdict(counts)
+    if path is not None and now != last:
+        partial = path.with_name(path.name + ".part")
+        partial.write_text(json.dumps(now))
+        partial.replace(path)
+    return now
+
+
+class GrpcGuard:
+    """`resnet18-kit grpc-guard` in a process of its own, listening on `listen_host`:`listen_port` and
+    forwarding to `upstream`. log_path: its output (None: this process's). It gets SIGTERM when the thread
+    that started it dies (setpriv --pdeathsig, as tritonserver)."""
+
+    def __init__(self, listen_host: str, listen_port: int, upstream: str, log_path: Path | None = None):
+        self.listen_host, self.listen_port, self.upstream = listen_host, listen_port, upstream
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self._counts_dir = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start it and wait until it listens. Raises PortBusyError (its one line) when it exits 2,
+        RuntimeError when it exits otherwise or does not listen within `timeout_s` seconds."""
+        from resnet18_kit.observe.processes import port_listeners
+
+        self._counts_dir = tempfile.mkdtemp(prefix="grpc-guard-")
+        listen = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
+        command = [sys.executable, "-m", "resnet18_kit", "grpc-guard", "--listen", f"{listen}:{self.listen_port}",
+                   "--upstream", self.upstream, "--counts-file", str(self.counts_path), "--port-flag=--grpc-port"]
+        if shutil.which("setpriv"):
+            command = ["setpriv", "--pdeathsig", "TERM", "--", *command]
+        output = open(self.log_path, "ab") if self.log_path else None
+        self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
+                                        start_new_session=True)
+        if output:
+            output.close()
+        deadline = time.monotonic() + timeout_s
+        while not any(pid == self.process.pid for pid, _ in port_listeners(self.listen_port)):
+            status = self.process.poll()
+            if status is not None:
+                self._cleanup()
+                if status == 2:
+                    raise PortBusyError(self._last_line() or f"gRPC port {self.listen_port} cannot be bound")
+                raise RuntimeError(f"the gRPC guard exited with status {status} before listening")
+            if time.monotonic() > deadline:
+                self.stop(grace_s=0)
+                raise RuntimeError(f"the gRPC guard did not listen on port {self.listen_port} within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    @property
+    def counts_path(self) -> Path:
+        return Path(self._counts_dir) / "counts.json"
+
+    @property
+    def counts(self) -> GuardCounts:
+        """What the guard did so far (written by it every COUNTS_INTERVAL_S)."""
+        try:
+            return GuardCounts(**json.loads(self.counts_path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return GuardCounts()
+
+    def stop(self, grace_s: float = 5.0) -> int | None:
+        """SIGTERM, `grace_s` + 5 s for it to exit, then SIGKILL; its exit status (idempotent)."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s + 5.0)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._cleanup()
+        return self.process.returncode
+
+    def _cleanup(self) -> None:
+        if self._counts_dir:
+            shutil.rmtree(self._counts_dir, ignore_errors=True)
+
+    def _last_line(self) -> str:
+        if not self.log_path or not Path(self.log_path).is_file():
+            return ""
+        lines = [line for line in Path(self.log_path).read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1].removeprefix("grpc-guard: ") if lines else ""

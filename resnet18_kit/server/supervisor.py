@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Callable
 
 from resnet18_kit.observe.processes import process_alive
-from resnet18_kit.server.embedded import (ConfigurationError, EmbeddedTritonServer, ServerConfig, ServerStartError,
-                                          StartCancelled)
+from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError, StartCancelled
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.overload import QueueWatch
 from resnet18_kit.server.probe import ProgressWatch
 from resnet18_kit.repository import ModelRepository
