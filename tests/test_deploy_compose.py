@@ -182,11 +182,14 @@ def test_compose_requires_the_admin_key(compose_parser):
 @pytest.mark.parametrize("name", sorted(set(SHIPPED.variant_names()) - {"default"}))
 def test_compose_config_variant_and_address_from_the_environment(compose_parser, name):
     services = rendered_compose(compose_parser, TRITON_MODEL_CONFIG_NAME=name,
-                                TRITON_PUBLISH_ADDRESS="0.0.0.0")["services"]
+                                TRITON_PUBLISH_ADDRESS="0.0.0.0", TRITON_GRPC_PUBLISH_ADDRESS="0.0.0.0")["services"]
     for service in ("triton", *FLEET_REPLICAS):
         assert flag_value(services[service]["command"], "--model-config-name") == [name], service
     for service in ("triton", "prometheus", "grafana", "haproxy"):
         assert {host for host, _, _ in ports(services[service])} == {"0.0.0.0"}, service
+    http_only = rendered_compose(compose_parser, TRITON_PUBLISH_ADDRESS="0.0.0.0")["services"]
+    for service in ("triton", "haproxy"):  # gRPC is opened on its own (docs/reliability.md)
+        assert ("127.0.0.1", 8001, 8001) in ports(http_only[service]), service
 
 
 def release_images(services: dict) -> dict[str, str]:
