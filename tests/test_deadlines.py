@@ -269,3 +269,30 @@ def test_the_probe_script_passes_on_a_serving_server_and_fails_on_nothing(triton
     assert "no inference answered or executed" in failed.stderr
     missing = run_probe(f"--url={triton_server.config.http_url}", f"--image={tmp_path / 'none'}")
     assert missing.returncode == 1 and "cannot read --image" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_a_stream_through_the_guard_is_answered_and_drained_when_its_client_goes(guarded):
+    """ModelStreamInfer passes the guard both ways; a client that stops its stream with requests in flight
+    is not passed on as a cancellation: the guard half-closes upstream and reads the answers."""
+    import queue
+
+    config = guarded.config
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(config.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        got = []
+        for index in range(3):  # one at a time: the stub's queue holds one request
+            client.async_stream_infer(STUB_MODEL, [stub_request()], request_id=str(index))
+            got.append(answers.get(timeout=10))
+        client.stop_stream()
+    assert all(not isinstance(a, Exception) and a.as_numpy("logits").shape == (1, 1000) for a in got), got
+    successes_before, gone_before = stub_counts(config)[0], guard_counts(guarded)
+    with grpcclient.InferenceServerClient(config.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: None)
+        client.async_stream_infer(STUB_MODEL, [stub_request()])
+        time.sleep(0.02)
+        client.stop_stream(cancel_requests=True)  # the client goes with the request in flight
+    time.sleep(0.5)
+    counts = guard_counts(guarded)
+    assert counts.streams_drained == gone_before.streams_drained + 1, counts
+    assert stub_counts(config)[0] == successes_before + 1, "the request in flight was not answered upstream"
