@@ -138,7 +138,10 @@ def sigterm_in_flight(repository: Path, model: str, load: TensorLoad, in_flight:
             except subprocess.TimeoutExpired:
                 process.kill()  # its tritonserver follows (die_with_parent)
                 process.wait()
-    return {"model": model, "in_flight": summarize(accepted, in_flight), "exit_status": process.returncode,
+    return {"model": model, "in_flight": summarize(accepted, in_flight),
+            "in_flight_failures": sorted({f"{o.status} {o.message[:120]}" for o in accepted
+                                          if o.kind not in (ANSWERED, REFUSED)}),
+            "exit_status": process.returncode,
             "last_in_flight_answered_after_sigterm_s": round(done_at[0] - signalled, 2) if done_at else None,
             "exit_s": round(exit_s, 2), "exit_timeout_s": exit_timeout_s,
             "after_sigterm": [{"sent_s": t, "latency_s": round(o.latency_s, 3), "protocol": p, "kind": o.kind,

@@ -6,8 +6,9 @@ server it started, prints where it listens, then serves until Ctrl-C or SIGTERM.
 
 Stopping (Triton 2.51's --exit-timeout-secs, given by --exit-timeout-s; docs/reliability.md "Stopping"):
   1. the first SIGTERM or SIGINT sends SIGTERM to tritonserver. It stops accepting new HTTP connections
-     at once, but requests on HTTP connections already open (keep-alive) and all gRPC requests are still
-     accepted and answered until every HTTP connection has closed or the exit timeout has passed;
+     at once, but requests on HTTP connections already open (keep-alive) and all gRPC requests (through
+     the gRPC guard, which forwards until tritonserver has exited) are still accepted and answered until
+     every HTTP connection has closed or the exit timeout has passed;
   2. then it refuses new requests (gRPC UNAVAILABLE / NOT_FOUND while models unload), lets the requests
      it holds finish within what is left of the exit timeout, unloads the models and exits;
   3. serve removes the stubs' shared memory and exits 0.

@@ -151,7 +151,7 @@ class EmbeddedTritonServer:
         self.process: subprocess.Popen | None = None
         self.started_at: float | None = None
         #: The gRPC guard in front of tritonserver (server.grpc_guard), when config.triton_grpc_port is set:
-        #: started once the server is ready, stopped after it.
+        #: listening before the server is ready, stopped after it.
         self.guard = None
 
     def start(self, ready_timeout_s: float = 300.0, cancelled: Callable[[], bool] | None = None) -> float:
@@ -178,13 +178,13 @@ class EmbeddedTritonServer:
         if output:
             output.close()
         try:
-            self.wait_ready(ready_timeout_s, cancelled)
-            if self.config.triton_grpc_port is not None:
+            if self.config.triton_grpc_port is not None:  # listening before tritonserver is ready, as its own gRPC
                 from resnet18_kit.server.grpc_guard import GrpcGuard
 
                 self.guard = GrpcGuard(self.config.host, self.config.grpc_port, self.config.triton_grpc_url,
-                                       self.log_path)
+                                       self.log_path, grace_s=self.config.exit_timeout_s)
                 self.guard.start()
+            self.wait_ready(ready_timeout_s, cancelled)
         except StartCancelled:
             raise  # still running: it may already hold requests, so the caller stops it gracefully
         except BaseException:
@@ -256,15 +256,17 @@ class EmbeddedTritonServer:
         remove this server's shared-memory regions left in /dev/shm.
 
         drain_s: how long to wait after SIGTERM before SIGKILL; default exit_timeout_s + 10 s (the
-        server's own exit timeout plus a margin). hurry: polled every 0.1 s while waiting; True cuts
+        server's own exit timeout plus a margin). A gRPC guard in front is stopped first: it refuses new
+        calls and gives those it holds up to min(drain_s, exit_timeout_s) to be answered. hurry: polled every 0.1 s while waiting; True cuts
         the wait short (SIGKILL now, in-flight requests fail).
         Returns the server's exit status (None if it was never started; negative: killed by that signal).
         """
         if self.process is None:
             return None
+        drain_s = self.config.exit_timeout_s + 10 if drain_s is None else drain_s
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + (self.config.exit_timeout_s + 10 if drain_s is None else drain_s)
+            deadline = time.monotonic() + drain_s
             while self.process.poll() is None and time.monotonic() < deadline:
                 if hurry is not None and hurry():
                     break

@@ -304,8 +304,10 @@ class GrpcGuard:
     forwarding to `upstream`. log_path: its output (None: this process's). It gets SIGTERM when the thread
     that started it dies (setpriv --pdeathsig, as tritonserver)."""
 
-    def __init__(self, listen_host: str, listen_port: int, upstream: str, log_path: Path | None = None):
+    def __init__(self, listen_host: str, listen_port: int, upstream: str, log_path: Path | None = None,
+                 grace_s: float = 5.0):
         self.listen_host, self.listen_port, self.upstream = listen_host, listen_port, upstream
+        self.grace_s = grace_s  # what calls in flight get once it is asked to stop (--grace-s)
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
         self._counts_dir = None
@@ -318,7 +320,8 @@ class GrpcGuard:
         self._counts_dir = tempfile.mkdtemp(prefix="grpc-guard-")
         listen = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
         command = [sys.executable, "-m", "resnet18_kit", "grpc-guard", "--listen", f"{listen}:{self.listen_port}",
-                   "--upstream", self.upstream, "--counts-file", str(self.counts_path), "--port-flag=--grpc-port"]
+                   "--upstream", self.upstream, "--counts-file", str(self.counts_path), "--port-flag=--grpc-port",
+                   "--grace-s", str(self.grace_s)]
         if shutil.which("setpriv"):
             command = ["setpriv", "--pdeathsig", "TERM", "--", *command]
         output = open(self.log_path, "ab") if self.log_path else None
@@ -352,9 +355,12 @@ class GrpcGuard:
             return GuardCounts()
 
     def stop(self, grace_s: float = 5.0) -> int | None:
-        """SIGTERM, `grace_s` + 5 s for it to exit, then SIGKILL; its exit status (idempotent)."""
+        """SIGTERM (it refuses new calls, gives those in flight up to its own grace), `grace_s` + 5 s for it
+        to exit, then SIGKILL; grace_s 0: SIGKILL at once. Its exit status (idempotent)."""
         if self.process is None:
             return None
+        if self.process.poll() is None and grace_s <= 0:
+            self.process.kill()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
