@@ -113,67 +113,64 @@ def rounds(run, photos: list[bytes], count: int, stop_on_crash: bool = False, **
     """`count` storms against the server of `run` (reliability.lifecycle.ServeRun, ready), sent to its
     config's gRPC address. After each round: a crash is the tritonserver process gone or replaced (its pid
     changed, or serve reported a fault; the next round waits until serve has it ready again); a hang is a
-    probe without a short deadline that fails on a server still running. Returns {"rounds", "crashes",
-    "hangs", "lost", "sent", "counts" (summed over rounds), "seconds" (per round), "crash_rounds",
-    "faults" (serve's fault lines), "messages" (one example per kind)}; stop_on_crash: end after the
-    first round with a crash ("rounds" then says how many ran)."""
+    probe without a short deadline that fails on a server still running. Returns {"rounds", "crashes"
+    (rounds with one), "hangs", "lost", "sent", "counts" (summed over rounds), "seconds" (per round),
+    "crash_rounds", "faults" (serve's fault lines), "messages" (one example per kind)}; stop_on_crash: end
+    after the first round with a crash ("rounds" then says how many ran)."""
     from resnet18_kit.reliability.lifecycle import wait_for_restart
 
-    totals = dict.fromkeys(STORM_KINDS, 0)
-    record = {"rounds": count, "crashes": 0, "hangs": 0, "lost": 0, "sent": 0, "seconds": [], "crash_rounds": [],
-              "faults": [], "messages": {}}
-    grpc_url = run.config.grpc_url
-    for number in range(count):
-        pid, lines_before = run.server_pid(), len(run.stderr_lines())
-        result = storm(grpc_url, photos, seed=number, **storm_options)
-        time.sleep(0.5)  # a crash takes a moment to end the process
-        hung = probe(grpc_url, photos[0])
+    def mark() -> tuple[int | None, int]:
+        return run.server_pid(), len(run.stderr_lines())
+
+    def faults_since(since: tuple[int | None, int]) -> list[str]:
+        pid, lines_before = since
         faults = [line for line in run.stderr_lines()[lines_before:] if line.startswith("serve: fault: ")]
-        crashed = bool(faults) or run.server_pid() != pid
-        if crashed:
-            record["crashes"] += 1
-            record["crash_rounds"].append(number)
-            record["faults"] += faults
+        if faults or run.server_pid() != pid:
             wait_for_restart(run, lines_before)
-        elif hung is not None:
-            record["hangs"] += 1
-            record["messages"].setdefault("hang", hung)
-        record["lost"] += result.lost
-        record["sent"] += result.sent
-        record["seconds"].append(result.seconds)
-        for kind in STORM_KINDS:
-            totals[kind] += result.counts[kind]
-        for kind, message in result.messages.items():
-            record["messages"].setdefault(kind, message)
-        if crashed and stop_on_crash:
-            record["rounds"] = number + 1
-            break
-    record["counts"] = totals
-    return record
+            return ["; ".join(faults) or f"tritonserver pid {pid} replaced"]  # one crash per round
+        return []
+
+    return _rounds(run.config.grpc_url, photos, count, mark, faults_since, stop_on_crash, storm_options)
 
 
 def fleet_rounds(fleet, photos: list[bytes], count: int, **storm_options) -> dict:
     """`count` storms against the gRPC front end of `fleet` (fleet.Fleet, started). A crash is a fault any
     replica's supervisor reported during the round (the next round waits until every replica is UP in
-    HAProxy again); a hang is a probe through the front end that fails. Returns rounds()'s record."""
+    HAProxy again); a hang is a probe through the front end that fails. Returns rounds()'s record, with
+    "crashes" counting faults (several replicas may fail in one round)."""
+    def mark() -> list[int]:
+        return [len(s.events) for s in fleet.supervisors]
+
+    def faults_since(marks: list[int]) -> list[str]:
+        faults = [f"replica {i + 1}: {e.detail}" for i, s in enumerate(fleet.supervisors)
+                  for e in s.events[marks[i]:] if e.kind == "fault"]
+        if faults:
+            for index, supervisor in enumerate(fleet.supervisors):
+                supervisor.wait_serving(120.0)
+                fleet.wait_status(index, "UP", 120.0)
+        return faults
+
+    return _rounds(fleet.config.front.server_config().grpc_url, photos, count, mark, faults_since, False,
+                   storm_options)
+
+
+def _rounds(grpc_url: str, photos: list[bytes], count: int, mark, faults_since, stop_on_crash: bool,
+            storm_options: dict) -> dict:
+    """The loop of rounds() and fleet_rounds(): mark() before a round, faults_since(mark) after it (the
+    faults seen, once the server serves again)."""
     totals = dict.fromkeys(STORM_KINDS, 0)
     record = {"rounds": count, "crashes": 0, "hangs": 0, "lost": 0, "sent": 0, "seconds": [], "crash_rounds": [],
               "faults": [], "messages": {}}
-    grpc_url = fleet.config.front.server_config().grpc_url
     for number in range(count):
-        marks = [len(s.events) for s in fleet.supervisors]
+        since = mark()
         result = storm(grpc_url, photos, seed=number, **storm_options)
-        time.sleep(0.5)
+        time.sleep(0.5)  # a crash takes a moment to end the process
         hung = probe(grpc_url, photos[0])
-        faults = [f"replica {i + 1}: {e.detail}" for i, s in enumerate(fleet.supervisors)
-                  for e in s.events[marks[i]:] if e.kind == "fault"]
+        faults = faults_since(since)
         if faults:
             record["crashes"] += len(faults)
             record["crash_rounds"].append(number)
             record["faults"] += faults
-            for index, supervisor in enumerate(fleet.supervisors):
-                supervisor.wait_serving(120.0)
-                fleet.wait_status(index, "UP", 120.0)
         elif hung is not None:
             record["hangs"] += 1
             record["messages"].setdefault("hang", hung)
@@ -184,5 +181,8 @@ def fleet_rounds(fleet, photos: list[bytes], count: int, **storm_options) -> dic
             totals[kind] += result.counts[kind]
         for kind, message in result.messages.items():
             record["messages"].setdefault(kind, message)
+        if faults and stop_on_crash:
+            record["rounds"] = number + 1
+            break
     record["counts"] = totals
     return record
