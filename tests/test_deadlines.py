@@ -30,6 +30,7 @@ from resnet18_kit.server.stop import StopRequest
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 
 STUB_MODEL = "resnet18_slow_stub"  # tests/model_repository: 100 ms per execution, a queue of one
+TIMEOUT_MODEL = "reliability_timeout"  # the reliability models: 200 ms per execution, a queue of 16
 #: Rounds of the storm per test: 1-50 ms deadlines crashed an unguarded 2.51 server in 14 rounds of 20
 #: (docs/reliability.md), so 6 rounds without a crash are a 1-in-1,000 event there.
 STORM_ROUNDS = 6
@@ -98,10 +99,12 @@ def test_a_fleet_behind_haproxy_survives_deadlines_that_expire_while_requests_ru
 # -- the guard itself -----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory, test_model_repository):
-    """A supervised server of the test models with the gRPC guard in front (no ensemble: no probe)."""
+def guarded(tmp_path_factory, test_model_repository, reliability_repository):
+    """A supervised server of the test and reliability models with the gRPC guard in front (no ensemble:
+    no probe)."""
     http, grpc_port, metrics, internal = free_ports(4)
-    config = ServerConfig(model_repository=test_model_repository, http_port=http, grpc_port=grpc_port,
+    config = ServerConfig(model_repository=test_model_repository, extra_model_repositories=(reliability_repository,),
+                          http_port=http, grpc_port=grpc_port,
                           metrics_port=metrics, triton_grpc_port=internal, admin_key="guard-test-key")
     supervisor = Supervisor(config, SupervisorPolicy(queue_warnings=False),
                             log_path=tmp_path_factory.mktemp("guarded") / "tritonserver.log", on_event=lambda e: None)
@@ -131,21 +134,36 @@ def stub_request(module=grpcclient):
     return request
 
 
+def timeout_model_counts(config: ServerConfig) -> tuple[int, int]:
+    """(successes, failures) of reliability_timeout (200 ms per execution) in the statistics extension."""
+    stats = model_statistics(config.http_url, TIMEOUT_MODEL)["inference_stats"]
+    return int(stats["success"]["count"]), int(stats["fail"]["count"])
+
+
+def timeout_request():
+    request = grpcclient.InferInput("x", [1, 4], "FP32")
+    request.set_data_from_numpy(np.ones((1, 4), np.float32))
+    return request
+
+
 def test_the_guard_turns_a_client_deadline_into_the_requests_queue_timeout(guarded):
-    """Behind a 100 ms request, a request with a 40 ms gRPC deadline leaves the queue unserved ("Request
+    """Behind a 200 ms execution, a request with a 120 ms gRPC deadline leaves the queue unserved ("Request
     timeout expired" on the server) instead of being computed for nobody; its client went, the guard
     waited for the server's answer, and nothing was cancelled."""
     config = guarded.config
-    counts_before, gone_before = stub_counts(config), guard_counts(guarded).client_gone
+    counts_before, gone_before = timeout_model_counts(config), guard_counts(guarded).client_gone
     with grpcclient.InferenceServerClient(config.grpc_url) as first, \
             grpcclient.InferenceServerClient(config.grpc_url) as second:
-        busy = first.async_infer(STUB_MODEL, [stub_request()], callback=lambda result, error: None)
+        busy = first.async_infer(TIMEOUT_MODEL, [timeout_request()], callback=lambda result, error: None)
         time.sleep(0.02)
         with pytest.raises(InferenceServerException, match="Deadline"):
-            second.infer(STUB_MODEL, [stub_request()], client_timeout=0.04)
-        time.sleep(0.3)
+            second.infer(TIMEOUT_MODEL, [timeout_request()], client_timeout=0.12)
+        deadline = time.monotonic() + 5  # the queue refuses it at its next scheduling point
+        while timeout_model_counts(config) == counts_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
         del busy
-    successes, failures = stub_counts(config)
+    successes, failures = timeout_model_counts(config)
     assert successes - counts_before[0] == 1, "the request whose deadline passed in the queue was computed"
     assert failures - counts_before[1] == 1, "it must end as a queue timeout on the server"
     assert guard_counts(guarded).client_gone == gone_before + 1
