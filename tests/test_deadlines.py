@@ -61,7 +61,7 @@ def test_short_grpc_deadlines_under_overload_crash_nothing(repository, tmp_path,
     try:
         record = deadline_storm.rounds(run, photos, STORM_ROUNDS, stop_on_crash=True, deadline_ms=(1.0, 50.0))
     finally:
-        stopped = deadlines.stop(run)
+        stopped = run.terminate()
     show({**record, **stopped})
     assert stopped["exit_status"] == 0 and not stopped["leftovers"], stopped
     assert record["lost"] == 0, record

@@ -12,7 +12,6 @@ Two measurements against `resnet18-kit serve` (default config), each on a fresh 
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -42,15 +41,6 @@ def serve(config: ServerConfig, work_dir: Path, guard: bool) -> ServeRun:
     return run
 
 
-def stop(run: ServeRun) -> dict:
-    """SIGTERM serve; {"exit_status", "leftovers"} (a hung serve is killed, status None)."""
-    run.process.send_signal(signal.SIGTERM)
-    status = run.wait_exit()
-    if status is None:
-        run.kill_everything()
-    return {"exit_status": status, "leftovers": run.leftovers()}
-
-
 def storm_runs(config: ServerConfig, work_dir: Path, photos: list[bytes], rounds_per_range: int,
                guard: bool) -> list[dict]:
     """For each of DEADLINE_RANGES_MS, `rounds_per_range` storms against one serve (guarded or not):
@@ -61,7 +51,7 @@ def storm_runs(config: ServerConfig, work_dir: Path, photos: list[bytes], rounds
         try:
             record = rounds(run, photos, rounds_per_range, deadline_ms=(low, high))
         finally:
-            record_stop = stop(run)
+            record_stop = run.terminate()
         results.append({"target": "gRPC guard" if guard else "tritonserver (no guard)",
                         "deadline_ms": [low, high], **record, **record_stop})
     return results
@@ -140,7 +130,7 @@ def classify_runs(config: ServerConfig, work_dir: Path, folder: Path, runs: int)
                 "refused": sum(o["refused"] for o in outcomes), "reasons": reasons,
                 "seconds": [o["seconds"] for o in outcomes]})
     finally:
-        final = stop(run)
+        final = run.terminate()
     for result in results:
         result.update(final)
     return results

@@ -202,6 +202,15 @@ class ServeRun:
         except subprocess.TimeoutExpired:
             return None
 
+    def terminate(self) -> dict:
+        """SIGTERM serve and wait for it (EXIT_BOUND_S); a serve that hangs is killed with what it started.
+        {"exit_status" (None: it hung), "leftovers"}."""
+        self.process.send_signal(signal.SIGTERM)
+        status = self.wait_exit()
+        if status is None:
+            self.kill_everything()
+        return {"exit_status": status, "leftovers": self.leftovers()}
+
     def leftovers(self) -> list[str]:
         """"<name> <pid>" of every process this serve started that is still alive (zombies excluded)."""
         return [f"{name} {pid}" for pid, name in sorted(self.seen.items()) if process_alive(pid)]

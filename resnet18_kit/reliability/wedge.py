@@ -64,11 +64,7 @@ def wedge(config: ServerConfig, work_dir: Path, case: str) -> dict:
             wait_for_restart(run, lines_before)
             record["serving_again_s"] = round(time.monotonic() - stopped_at, 2)
     finally:
-        run.process.send_signal(signal.SIGTERM)
-        record["exit_status"] = run.wait_exit()
-        if record["exit_status"] is None:
-            run.kill_everything()
-        record["leftovers"] = run.leftovers()
+        record.update(run.terminate())
     return record
 
 

@@ -40,7 +40,7 @@ from resnet18_kit.observe.processes import process_alive
 from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError, StartCancelled
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.overload import QueueWatch
-from resnet18_kit.server.probe import ProgressWatch
+from resnet18_kit.server.probe import ProgressWatch, live
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.stop import StopRequest
 
@@ -190,13 +190,7 @@ class Supervisor:
         return self._progress is not None and self._progress.stalled_s() > self.policy.wedged_after_s
 
     def _is_live(self) -> bool:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://{self.config.http_url}/v2/health/live", timeout=2.0) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return live(self.config.http_url, 2.0)
 
     def restart(self, reason: str) -> int | None:
         """Stop the server and start it again; None when it is serving again, else the status `run`
