@@ -12,12 +12,22 @@ the in-process figures are the served code's.
   torchscript  model.pt, torch.jit on the CPU.
 
 Config parameters (all string values): model_filename; runtime (default: onnxruntime for .onnx,
-torchscript for .pt); intra_op_threads (0 = the runtime's default, one thread per core); allow_spinning
-("1"/"0", ONNX Runtime: idle intra-op threads spin-wait for work, which takes cores from other processes);
-precision (openvino: "f32" or "bf16").
+torchscript for .pt); intra_op_threads (0 = one thread per usable core); allow_spinning ("1"/"0", ONNX
+Runtime: idle intra-op threads spin-wait for work, which takes cores from other processes); precision
+(openvino: "f32" or "bf16").
+
+Placement: no thread is pinned to a core. A served model runs as several stub processes (instances,
+preprocess stubs) that know nothing of each other, and a runtime pinning its threads picks the same cores
+in each of them: OpenVINO pins each inference thread (its ENABLE_CPU_PINNING, on by default), so two
+single-threaded instances both ran on core 0 of 2 (two such processes in-process: 41 img/s together
+pinned, 82-93 unpinned; one pinned to a core each by hand, 82-83); ONNX Runtime pins its intra-op
+workers when intra_op_num_threads is left at 0, so here the count of usable cores is passed explicitly,
+which leaves them unpinned (same speed). The OS scheduler then spreads every thread over the cores.
+TorchScript pins nothing. tests/test_placement.py reads the threads' affinities of a serving server.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -69,7 +79,8 @@ def _onnxruntime(spec: RuntimeSpec) -> Runner:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = spec.threads
+    # An explicit count: with 0 ONNX Runtime pins its workers to cores (module docstring, "Placement").
+    options.intra_op_num_threads = spec.threads or usable_cores()
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spec.allow_spinning else "0")
     session = ort.InferenceSession(str(spec.path), options, providers=["CPUExecutionProvider"])
     input_name = session.get_inputs()[0].name
@@ -79,12 +90,15 @@ def _onnxruntime(spec: RuntimeSpec) -> Runner:
 def _openvino(spec: RuntimeSpec) -> Runner:
     import openvino as ov
 
-    config = {"INFERENCE_PRECISION_HINT": spec.precision, "PERFORMANCE_HINT": "LATENCY"}
+    config = {"INFERENCE_PRECISION_HINT": spec.precision, "PERFORMANCE_HINT": "LATENCY",
+              "ENABLE_CPU_PINNING": False}  # module docstring, "Placement"
     if spec.threads:
         config["INFERENCE_NUM_THREADS"] = spec.threads
     compiled = ov.Core().compile_model(str(spec.path), "CPU", config)
-    request = compiled.create_infer_request()
+    return _openvino_runner(compiled, compiled.create_infer_request())
 
+
+def _openvino_runner(compiled, request) -> Runner:
     outputs = [compiled.output(name) for name in OUTPUT_NAMES]
 
     def run(batch: np.ndarray) -> list:
@@ -93,14 +107,33 @@ def _openvino(spec: RuntimeSpec) -> Runner:
     return run
 
 
-def _torchscript(spec: RuntimeSpec) -> Runner:
-    import os
+def load_streams(spec: RuntimeSpec) -> list[Runner]:
+    """OpenVINO only: `spec.path` compiled once with PERFORMANCE_HINT THROUGHPUT (OpenVINO picks the
+    streams, each a share of the cores running its own inference) and one runner per infer request it
+    asks for (OPTIMAL_NUMBER_OF_INFER_REQUESTS). Each runner blocks its calling thread and releases the
+    GIL, so one thread per runner keeps every stream busy. For in-process measurements (bench/): the
+    served instances run one inference at a time each. Raises ValueError for another runtime."""
+    if spec.runtime != "openvino":
+        raise ValueError(f"streams are OpenVINO's; {spec.path.name} runs on {spec.runtime}")
+    import openvino as ov
 
+    compiled = ov.Core().compile_model(str(spec.path), "CPU", {"INFERENCE_PRECISION_HINT": spec.precision,
+                                                                "PERFORMANCE_HINT": "THROUGHPUT"})
+    requests = compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS")
+    return [_openvino_runner(compiled, compiled.create_infer_request()) for _ in range(requests)]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset narrows)."""
+    return len(os.sched_getaffinity(0))
+
+
+def _torchscript(spec: RuntimeSpec) -> Runner:
     import torch
 
     # torch's intra-op thread count is one setting per process: each run sets its own, so two runners
     # with different counts in one process (in-process comparisons) do not change each other's.
-    threads = spec.threads or len(os.sched_getaffinity(0))
+    threads = spec.threads or usable_cores()
     module = torch.jit.load(str(spec.path), map_location="cpu").eval()
 
     def run(batch: np.ndarray) -> list:
