@@ -1,6 +1,9 @@
 """The benchmark wrapper: perf_analyzer CSV parsing, the config switch, and a short real perf_analyzer run."""
 import json
 import math
+import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -239,22 +242,67 @@ def test_concurrent_executions_follow_the_rate_limiter():
     assert concurrent_executions(config(mixed)) == 2  # 2 available: the two asking for 1 fit together
 
 
-def test_inprocess_pipeline_on_two_photos_uses_the_variants_runtime(repository):
+def test_inprocess_pipeline_on_two_photos_runs_the_variants_network_arranged_for_speed(repository):
+    from resnet18_kit.bench.inprocess import bar_batch_sizes
     from resnet18_kit.bench.pipeline_inprocess import PipelineTwin
     from resnet18_kit.client.samples import sample_photos
 
-    twin = PipelineTwin(repository, "default")
-    network = ModelConfigView.for_variant(repository, ONNX_MODEL, "default")
+    twin = PipelineTwin(repository, "int8", choose_s=0.3)
+    network = ModelConfigView.for_variant(repository, ONNX_MODEL, "int8")
     spec = repository.runtimes().RuntimeSpec.from_parameters(network.parameters, repository.onnx_path.parent)
-    assert twin.spec == spec
-    assert twin.spec.allow_spinning is False  # config.pbtxt's allow_spinning "0" reached the runtime
-    assert twin.batch_size == network.max_batch_size
-    assert twin.decode_threads == ModelConfigView.for_variant(repository, PREPROCESS_MODEL, "default").instance_count()
+    assert twin.spec == spec and twin.spec.runtime == "openvino"  # the variant's file and runtime
+    assert twin.batch_size in bar_batch_sizes(network.max_batch_size, True, quick=True)
+    tried = twin.network_bar.tried
+    assert {row["arrangement"] for row in tried} == {"1 runner x all cores", "1 thread x N runners", "openvino streams"}
+    assert twin.network_bar.best["img_per_s"] == max(row["throughput"] for row in tried)
+    assert twin.network_workers == len(twin.runners) == twin.network_bar.best["runners"]
+    assert twin.decode_threads == len(os.sched_getaffinity(0)) + 1
     photos = [p.read_bytes() for p in sample_photos(("rocket.jpg", "chelsea.png"))]
     result = twin.measure(photos, saturation_s=1.0, batch1_s=0.5)
     assert result["saturation_img_per_s"] > 0 and math.isfinite(result["saturation_img_per_s"])
     assert result["saturation_batches"] >= 3 and result["batch1_images"] >= 20
     assert 0 < result["batch1_p50_ms"] <= result["batch1_p99_ms"] < math.inf
+
+
+class _FakeLoaders:
+    """A runtimes module stand-in whose runners sleep: one runner on all cores takes 40 ms a batch
+    whatever its size; a single-threaded one 10 ms per image; a stream 30 ms a batch."""
+
+    @staticmethod
+    def usable_cores() -> int:
+        return 2
+
+    @staticmethod
+    def load(spec):
+        return (lambda batch: time.sleep(0.04)) if spec.threads == 0 else (lambda batch: time.sleep(0.01 * len(batch)))
+
+    @staticmethod
+    def load_streams(spec):
+        return [lambda batch: time.sleep(0.03)] * 3
+
+
+def test_inprocess_bar_keeps_the_fastest_arrangement_and_batch():
+    from resnet18_kit.bench.inprocess import bar_batch_sizes, strongest
+
+
+    @dataclass(frozen=True)
+    class Spec:  # the fields of runtimes.RuntimeSpec that the bar reads
+        path: Path
+        runtime: str
+        threads: int = 1
+        precision: str = "f32"
+
+    bar = strongest(_FakeLoaders, Spec(Path("model.int8.onnx"), "openvino"), [4, 16], duration_s=0.3)
+    # expected: streams at batch 16, 3 x 16 images per 30 ms = 1600 img/s (all cores: 400; per core: 200)
+    assert (bar.best["arrangement"], bar.best["batch_size"], bar.best["runners"]) == ("openvino streams", 16, 3)
+    assert 1200 < bar.best["img_per_s"] < 1700
+    assert len(bar.tried) == 6 and "openvino streams x3, batch 16" in bar.label()
+    ort = strongest(_FakeLoaders, Spec(Path("model.onnx"), "onnxruntime"), [16], duration_s=0.2)
+    assert {row["arrangement"] for row in ort.tried} == {"1 runner x all cores", "1 thread x N runners"}
+    assert ort.best["arrangement"] == "1 runner x all cores"  # 16 / 40 ms = 400 against 2 x 100
+    assert bar_batch_sizes(16, True, quick=True) == [8, 16]
+    assert bar_batch_sizes(32, True, quick=False) == [8, 16, 32]
+    assert bar_batch_sizes(16, False, quick=False) == [1]  # no dynamic batcher: executions of one request
 
 
 def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on_both_steps(
@@ -284,7 +332,7 @@ def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on
 def test_pipeline_report_and_targets_from_a_summary(tmp_path):
     """report.md and both plots from a summary with only the end-to-end part (--skip-tensor-sweeps);
     the targets take the fastest variant."""
-    from resnet18_kit.bench.pipeline import pipeline_targets, summarize_protocol
+    from resnet18_kit.bench.pipeline import pipeline_targets, ratio_lines, summarize_protocol
     from resnet18_kit.bench.report import write_report
 
     def level(c, img_per_s, p50_ms):
@@ -303,7 +351,7 @@ def test_pipeline_report_and_targets_from_a_summary(tmp_path):
                                                                 **summarize_protocol(rows, inproc)}]})
         twin = {"variant": name, "model_file": "model.onnx", "runtime": "onnxruntime", "intra_op_threads": 0,
                 "allow_spinning": False, "precision": "f32", "batch_size": 16, "decode_threads": 3,
-                "network_workers": 1}
+                "network_workers": 1, "network_label": "onnxruntime model.onnx, 1 runner x all cores x1, batch 16"}
         return {"variant": name, "triton_version": "2.51.0", "inprocess_twin": twin, "photo_sets": entries}
 
     pipeline = {"options": {"request_window_s": 2.5, "measurement_ms": 2500},
@@ -311,9 +359,14 @@ def test_pipeline_report_and_targets_from_a_summary(tmp_path):
                                "12mp": [{"file": "a.jpg", "bytes": 9000}]},
                 "variants": [variant("default", 0.5), variant("int8", 1.0)], "elapsed_s": 1.0}
     pipeline["targets"] = targets = pipeline_targets(pipeline)
-    assert [t["met"] for t in targets] == [True, True, True, True, True]
+    assert [t["met"] for t in targets] == [True] * 6
     assert "int8" in targets[0]["measured"] and "120.0 img/s" in targets[0]["measured"]
-    assert "+3.0 ms" in targets[3]["measured"]
+    assert targets[3]["name"].startswith("12 MP JPEGs, served / in-process") and "0.95 (70.0 / 73.5" in targets[3]["measured"]
+    assert "+3.0 ms" in targets[4]["measured"]
+    lines = ratio_lines(pipeline)
+    assert len(lines) == 4 and lines[3] == ("int8 main job, 12mp photos, grpc: 0.95 of in-process (70.0 / 73.5 img/s, "
+                                            "concurrency 16; in-process onnxruntime model.onnx, 1 runner x all cores "
+                                            "x1, batch 16)")
     machine = {"triton_version": "2.51.0", "cpu": "test", "cores": 2, "gpu": None, "python": "3", "onnxruntime": "1",
                "torch": "2", "cpu_during_run": {"busy": 0.5, "steal": 0.0}}
     (tmp_path / "summary.json").write_text(json.dumps({
@@ -397,3 +450,24 @@ def test_report_latency_breakdown_draws_every_config_at_one_concurrency():
     finally:
         plt.close(fig)
 
+
+
+def test_bench_states_each_configs_ratio_in_one_line_with_its_placement(repository):
+    from resnet18_kit.bench.sweeps import placement_phrase, ratio_lines
+
+    loaders = repository.runtimes()
+    phrases = {}
+    for variant in ("int8", "default"):
+        view = ModelConfigView.for_variant(repository, ONNX_MODEL, variant)
+        spec = loaders.RuntimeSpec.from_parameters(view.parameters, repository.onnx_path.parent)
+        phrases[variant] = placement_phrase(view, spec, {"resnet18_onnx_0_0": frozenset(), "resnet18_onnx_0_1": frozenset()}, 2)
+    assert phrases["int8"] == "2 x 1 thread (openvino), unpinned"
+    assert phrases["default"] == "2 x 2 threads (onnxruntime), 1 at a time (rate limiter), unpinned"
+    pinned = {"resnet18_onnx_0_0": frozenset({0}), "resnet18_onnx_0_1": frozenset({0})}
+    assert placement_phrase(view, spec, pinned, 2).endswith("pinned: resnet18_onnx_0_0 -> core 0; resnet18_onnx_0_1 -> core 0")
+    config = {"efficiency": 0.931, "concurrency": [{"level": 1, "throughput": 50.0}, {"level": 64, "throughput": 210.0}],
+              "inprocess_bar_img_per_s": 225.5, "placement": phrases["int8"],
+              "inprocess_bar": {"label": "openvino model.int8.onnx, openvino streams x2, batch 16"}}
+    assert ratio_lines({"int8": config}) == [
+        "int8 tensors: 0.93 of in-process (210.0 / 225.5 infer/s; served 2 x 1 thread (openvino), unpinned, "
+        "concurrency 64; in-process openvino model.int8.onnx, openvino streams x2, batch 16)"]

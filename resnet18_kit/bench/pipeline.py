@@ -44,11 +44,11 @@ QUICK_LEVELS = (1, 32)
 #: network (configs/int8.pbtxt) when the model repository has it.
 PREFERRED_VARIANTS = (DEFAULT_VARIANT, "int8")
 
-#: Targets (the issue's): sample photos through the fastest variant at saturation, img/s and the fraction
-#: of the in-process pipeline; 12-megapixel JPEGs, img/s; concurrency 1, served p50 - in-process batch-1
-#: p50, ms.
+#: Targets: sample photos through the fastest variant at saturation, img/s; on either photo set, the
+#: fastest variant's fraction of the strongest in-process pipeline (bench/pipeline_inprocess.py);
+#: 12-megapixel JPEGs, img/s; concurrency 1, served p50 - in-process batch-1 p50, ms.
 TARGET_SAMPLE_IMG_PER_S = 110.0
-TARGET_EFFICIENCY = 0.9
+TARGET_EFFICIENCY = 0.95
 TARGET_12MP_IMG_PER_S = 60.0
 TARGET_C1_GAP_MS = 5.0
 
@@ -177,6 +177,8 @@ def run_variant(variant: str, photos: dict[str, list[Path]], run_dir: Path, opti
                       "triton_version": client.raw.get_server_metadata()["version"],
                       "process_to_ready_s": ready_s,
                       "served": {model: served_config(client, model) for model in STEP_MODELS}}
+        if progress is not None:
+            progress.set_description(f"pipeline {variant}: choosing the in-process arrangement")
         twin = PipelineTwin(options.repository, variant)
         record["inprocess_twin"] = twin.describe()
         record["photo_sets"] = []
@@ -260,12 +262,25 @@ def pipeline_targets(pipeline: dict) -> list[dict]:
     large = list(served_runs(pipeline, "12mp"))
     if large:
         variant, entry, run = max(large, key=lambda item: item[2]["best_img_per_s"])
-        targets.insert(2 if sample else 0, {
-            "name": "12 MP JPEGs at saturation, fastest variant", "wanted": f">= {TARGET_12MP_IMG_PER_S:g} img/s",
-            "measured": f"{run['best_img_per_s']:.1f} img/s ({variant['variant']}, {run['protocol']}, "
-                        f"concurrency {run['best_level']:g})",
-            "met": run["best_img_per_s"] >= TARGET_12MP_IMG_PER_S})
+        where = f"{variant['variant']}, {run['protocol']}, concurrency {run['best_level']:g}"
+        targets[2 if sample else 0:2 if sample else 0] = [
+            {"name": "12 MP JPEGs at saturation, fastest variant", "wanted": f">= {TARGET_12MP_IMG_PER_S:g} img/s",
+             "measured": f"{run['best_img_per_s']:.1f} img/s ({where})",
+             "met": run["best_img_per_s"] >= TARGET_12MP_IMG_PER_S},
+            {"name": "12 MP JPEGs, served / in-process (same runtime), fastest variant",
+             "wanted": f">= {TARGET_EFFICIENCY:g}",
+             "measured": f"{run['efficiency']:.2f} ({run['best_img_per_s']:.1f} / "
+                         f"{entry['inprocess']['saturation_img_per_s']:.1f} img/s, {where})",
+             "met": run["efficiency"] >= TARGET_EFFICIENCY}]
     return targets
+
+
+def ratio_lines(pipeline: dict) -> list[str]:
+    """One line per variant, photo set and protocol: served / in-process img/s at the best level."""
+    return [f"{variant['variant']} main job, {entry['photos']} photos, {run['protocol']}: {run['efficiency']:.2f} "
+            f"of in-process ({run['best_img_per_s']:.1f} / {entry['inprocess']['saturation_img_per_s']:.1f} img/s, "
+            f"concurrency {run['best_level']:g}; in-process {variant['inprocess_twin']['network_label']})"
+            for variant, entry, run in served_runs(pipeline)]
 
 
 def print_targets(targets: list[dict], file=sys.stdout) -> None:

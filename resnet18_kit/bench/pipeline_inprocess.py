@@ -1,25 +1,27 @@
-"""The end-to-end pipeline in-process, with no server: the twin a served config variant is measured against.
+"""The main job in-process, with no server: the strongest pipeline a user could write in one process with
+the same code and files, the bar a served config variant is measured against.
 
 Encoded photo bytes -> decode + transform (the preprocess model's own code,
 preprocess/1/image_transform.py of the model repository via ModelRepository.image_transform(), with the
-limits of the variant's preprocess config) -> FP32 [B, 3, 224, 224] -> the network (the resnet18_onnx
-model's own loader, runtimes.py via ModelRepository.runtimes(): RuntimeSpec.from_parameters with the
-parameters of the variant's resnet18_onnx config, then runtimes.load) -> logits FP32 [B, 1000]. What the
-twin copies from the variant's configs (observe.model_config.ModelConfigView):
-  * B = the network config's max_batch_size;
-  * decode threads = the preprocess config's instance count (Pillow's decoders and resize, and numpy's
-    arithmetic, release the GIL, so threads decode in parallel as the stub processes do);
-  * network workers = how many network instances Triton runs at once (ModelConfigView.
-    concurrent_executions: 1 for the default config, whose two instances share the rate limiter's
-    "cores"; 2 for int8's two single-threaded instances), each with its own runtime session.
+limits of the variant's preprocess config) -> FP32 [B, 3, 224, 224] -> the network (the file, runtime and
+precision of the variant's resnet18_onnx config, loaded by its own runtimes.py) -> logits FP32 [B, 1000].
+Arranged for speed, not as the server is:
+  * the network: the fastest in-process arrangement of that file and runtime (bench/inprocess.py:
+    OpenVINO's streams each with its own infer request, one single-threaded runner per core, or one
+    runner on every core) at the fastest batch size up to the config's max_batch_size, both chosen by a
+    short tensor measurement when the twin is built (`choose_s`);
+  * decode: one thread per usable core and one more (DECODE_THREADS_OVER_CORES; Pillow's decoders and resize, and numpy's arithmetic, release
+    the GIL, so threads decode in parallel), filling batches of B rows handed to the network's runners
+    through a queue (depth: the runners' count, at least 2), each runner on its own thread: while the
+    network runs one batch per runner, the decoders fill the next.
 
 Two figures, over the same photo bytes cycled in order:
-  * saturation throughput (img/s): the decode threads fill batches of B rows while the network workers
-    run the batches already filled (a producer/consumer pipeline through a queue of depth 2). After each
-    worker's first batch (warm-up), img/s = B x (n - 1) / (t_n - t_1), with t_1 .. t_n the completion
-    times of the n >= 3 batches completed in the timed window: the steady rate between completions;
+  * saturation throughput (img/s): after each runner's first batch (warm-up), img/s = B x (n - 1) /
+    (t_n - t_1), with t_1 .. t_n the completion times of the n >= 3 batches completed in the timed window:
+    the steady rate between completions;
   * batch-1 latency (ms): per image, decode it and run the network on a batch of 1, one after the other
-    on one thread (what a lone request costs without a server); p50 and p99 over the timed images.
+    on one thread, with the network loaded as the served config loads it (its intra-op threads): what a
+    lone request costs without a server; p50 and p99 over the timed images.
 """
 from __future__ import annotations
 
@@ -31,12 +33,20 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from resnet18_kit.bench import inprocess
 from resnet18_kit.contract import IMAGE_SHAPE, ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.repository import ModelRepository
 
-#: Batches the decode threads may have filled ahead of the network (the queue between the two stages).
+#: Batches the decode threads may have filled ahead of the network, at least (the queue between the
+#: two stages; the runners' count when more).
 QUEUE_DEPTH = 2
+#: Decode threads beyond one per core: a decoder also runs Python between the GIL-free calls and waits
+#: to hand over a full batch. Measured (int8, 2 cores, sample photos): 3 threads 57.5 / 63.8 img/s against
+#: 53.2 / 56.2 with 2; the same on 12 MP JPEGs (47.9 / 47.6 against 48.1 / 47.7).
+DECODE_THREADS_OVER_CORES = 1
+#: Seconds per arrangement and batch size of the tensor measurement that picks the network's arrangement.
+CHOOSE_S = 1.0
 #: Shape of one network input row: FP32 [3, 224, 224].
 ROW_SHAPE = IMAGE_SHAPE
 #: The warm-up (every network worker's first batch) must end within this many seconds.
@@ -69,35 +79,47 @@ class InProcessPipelineResult:
 
 
 class PipelineTwin:
-    """A config variant's pipeline in-process (see the module docstring), its runtimes loaded once.
+    """A config variant's main job in-process, arranged for speed (see the module docstring), its runtimes
+    loaded once.
 
     repository: the model repository whose configs, code and exported files it runs; variant: a
-    tritonserver --model-config-name ("default" = config.pbtxt everywhere).
-    Attributes: spec (runtimes.RuntimeSpec of the variant's network), batch_size, decode_threads,
-    network_workers, limits (image_transform.ImageLimits of the variant's preprocess config)."""
+    tritonserver --model-config-name ("default" = config.pbtxt everywhere); choose_s: seconds per
+    arrangement and batch size of the tensor measurement that picks the network's arrangement.
+    Attributes: spec (runtimes.RuntimeSpec of the variant's network), network_bar (bench.inprocess.TensorBar
+    of that choice), batch_size, decode_threads, network_workers, runners, limits (image_transform.
+    ImageLimits of the variant's preprocess config)."""
 
-    def __init__(self, repository: ModelRepository, variant: str):
+    def __init__(self, repository: ModelRepository, variant: str, choose_s: float = CHOOSE_S):
         network = ModelConfigView.for_variant(repository, ONNX_MODEL, variant)
         preprocess = ModelConfigView.for_variant(repository, PREPROCESS_MODEL, variant)
         loaders, transform = repository.runtimes(), repository.image_transform()
         self.variant = variant
         self.spec = loaders.RuntimeSpec.from_parameters(network.parameters, repository.onnx_path.parent)
-        self.batch_size = network.max_batch_size
-        self.decode_threads = preprocess.instance_count()
-        self.network_workers = network.concurrent_executions()
+        sizes = inprocess.bar_batch_sizes(network.max_batch_size, network.dynamic_batching, quick=True)
+        self.network_bar = inprocess.strongest(loaders, self.spec, sizes, choose_s)
+        self.batch_size = self.network_bar.best["batch_size"]
+        self.runners = inprocess.load_arrangement(loaders, self.spec, self.network_bar.best["arrangement"])
+        self.network_workers = len(self.runners)
+        self.decode_threads = loaders.usable_cores() + DECODE_THREADS_OVER_CORES
         params = preprocess.parameters
         self.limits = transform.ImageLimits(max_image_bytes=int(params["max_image_bytes"]),
                                             max_image_pixels=int(params["max_image_pixels"]),
                                             max_aspect_ratio=float(params["max_aspect_ratio"]))
         self._preprocess = transform.preprocess
-        self.runners = [loaders.load(self.spec) for _ in range(self.network_workers)]
+        self._lone = loaders.load(self.spec)  # batch-1 latency: the network as the served config loads it
 
     def describe(self) -> dict:
         """The arrangement, for the report: runtime spec fields, batch size, thread counts."""
         return {"variant": self.variant, "model_file": self.spec.path.name, "runtime": self.spec.runtime,
                 "intra_op_threads": self.spec.threads, "allow_spinning": self.spec.allow_spinning,
                 "precision": self.spec.precision, "batch_size": self.batch_size,
-                "decode_threads": self.decode_threads, "network_workers": self.network_workers}
+                "decode_threads": self.decode_threads, "network_workers": self.network_workers,
+                "network_arrangement": self.network_bar.best["arrangement"], "network_label": self.label(),
+                "network_tried": self.network_bar.tried}
+
+    def label(self) -> str:
+        """One phrase: decode threads, the network's arrangement and batch."""
+        return f"{self.decode_threads} decode threads, {self.network_bar.label()}"
 
     def decode_into(self, data: bytes, row: np.ndarray) -> None:
         """Decode + transform one encoded image into `row` (FP32 [3, 224, 224]), as the served model does."""
@@ -107,7 +129,7 @@ class PipelineTwin:
         """Images/s of the pipelined decode -> network at saturation, and the batches timed (module
         docstring). Warm-up until every network worker ran one batch, then about duration_s seconds, and
         on until at least 3 batches completed in the timed window."""
-        batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+        batches: queue.Queue = queue.Queue(maxsize=max(QUEUE_DEPTH, self.network_workers))
         stop, warm, lock = threading.Event(), threading.Event(), threading.Lock()
         order = itertools.cycle(range(len(photos)))
         filling = [_Batch(self.batch_size)]
@@ -180,7 +202,7 @@ class PipelineTwin:
         """(p50 ms, p99 ms, images timed) of decode + network at batch 1 per image, for about duration_s
         seconds and at least min_images images (after one untimed pass over the photos)."""
         pixels = np.empty((1, *ROW_SHAPE), np.float32)
-        run = self.runners[0]
+        run = self._lone
         for data in photos:
             self.decode_into(data, pixels[0])
             run(pixels)

@@ -177,14 +177,14 @@ def tensor_markdown(summary: dict, plots: dict[str, str]) -> list[str]:
     for t in summary["targets"]:
         out.append(f"| {t['name']} | {t['wanted']} | {t['measured']} | {'met' if t['met'] else 'MISSED'} |")
     out += ["", "### Configs", "", "| config | max batch | preferred | max queue delay µs | max queue | "
-            "process start → ready s | first inference ms | in-process infer/s at max batch (before / after the sweep) | "
-            "best served infer/s | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "process start → ready s | first inference ms | placement (under load) | in-process bar infer/s (before / after "
+            "the sweep; arrangement) | best served infer/s | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in summary["configs"]:
         best = saturation_row(c)
         out.append(f"| {c['name']} | {c['max_batch_size']} | {c['preferred_batch_size'] or '-'} | "
                    f"{c['max_queue_delay_us'] if c['dynamic_batching'] else 'no batcher'} | "
                    f"{c['max_queue_size'] or '-'} | {c['cold_start']['process_to_ready_s']:.1f} | "
-                   f"{c['cold_start']['first_inference_ms']:.1f} | {_ceiling(c)} | "
+                   f"{c['cold_start']['first_inference_ms']:.1f} | {c['placement']} | {_ceiling(c)} | "
                    f"{best['throughput']:.1f} (c={best['level']:g}) | {c['efficiency']:.2f} |")
     out += ["", f"![throughput vs p99]({plots['throughput_vs_p99']})", "",
             f"![latency breakdown]({plots['latency_breakdown']})", "",
@@ -195,7 +195,8 @@ def tensor_markdown(summary: dict, plots: dict[str, str]) -> list[str]:
             out += ["", f"#### {c['name']}: request-rate sweep (Poisson)", ""]
             out += level_table(c["request_rate"], "requests/s")
         out.append("")
-    out += ["### In-process ceiling (no server)", "", "| runtime | batch | images/s | p50 ms per batch |",
+    out += [f"### In-process, no server (every arrangement tried for {summary['configs'][0]['name']}; TorchScript)",
+            "", "| runtime, arrangement | batch | images/s | p50 ms per batch |",
             "|---|---|---|---|"]
     for r in summary["inprocess"]:
         out.append(f"| {r['runtime']} | {r['batch_size']} | {r['throughput']:.1f} | {r['p50_ms']:.1f} |")
@@ -213,10 +214,10 @@ def tensor_markdown(summary: dict, plots: dict[str, str]) -> list[str]:
 
 
 def _ceiling(config: dict) -> str:
-    """The in-process ceiling cell: the mean, and the measurements before / after the sweep."""
-    around = config.get("inprocess_ceiling_before_after")
-    mean = f"{config['inprocess_at_max_batch']:.1f}"
-    return f"{mean} ({around[0]:.1f} / {around[1]:.1f})" if around else mean
+    """The in-process bar cell: the mean, the measurements before / after the sweep, the arrangement."""
+    bar = config["inprocess_bar"]
+    return (f"{config['inprocess_bar_img_per_s']:.1f} ({bar['before_after'][0]:.1f} / {bar['before_after'][1]:.1f}; "
+            f"{bar['label']})")
 
 
 def write_report(run_dir: Path) -> Path:

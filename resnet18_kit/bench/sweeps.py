@@ -34,6 +34,7 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -46,7 +47,9 @@ from resnet18_kit.bench import inprocess
 from resnet18_kit.observe.machine import cpu_share, cpu_ticks, machine_info
 from resnet18_kit.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, run_level
 from resnet18_kit.bench.pipeline import pipeline_options, print_targets, run_pipeline
+from resnet18_kit.bench.pipeline import ratio_lines as pipeline_ratio_lines
 from resnet18_kit.observe.model_config import ModelConfigView, served_config
+from resnet18_kit.observe.placement import PlacementSampler, describe, shared_pinned_cores
 from resnet18_kit.progress import Progress
 from resnet18_kit.bench.report import saturation_row, write_report
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
@@ -102,8 +105,9 @@ def levels_for(max_batch_size: int, max_queue_size: int, quick: bool, instances:
 
 
 #: --quick: the levels the targets are about (the latency config at concurrency 1, the throughput config at
-#: 2 x max_batch_size), one level per other config; measured as fixed request counts, no stabilization.
-QUICK_LEVELS = {"latency": (1,), "throughput": (64,), "no_batching": (16,), "default": (1, 32)}
+#: 2 x max_batch_size) and one saturating level per config (its served infer/s against the in-process
+#: bar); measured as fixed request counts, no stabilization.
+QUICK_LEVELS = {"latency": (1, 32), "throughput": (64,), "no_batching": (16,), "default": (1, 32)}
 
 
 def concurrency_levels(name: str, max_batch_size: int, max_queue_size: int, instances: int,
@@ -137,19 +141,15 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
                       "cold_start": {"process_to_ready_s": ready_s, "first_inference_ms": first_ms}}
         log.debug("%s: first inference %.1f ms; served config %s", name, first_ms,
                   {k: v for k, v in record.items() if k not in ("name", "cold_start")})
-        progress.set_description(f"{name}: in-process ceiling")
-        single = inprocess.measure(repository, "onnxruntime", sorted({1, record["max_batch_size"]}),
-                                   duration_s=args.inprocess_s)
-        parallel = inprocess.measure_parallel(repository, record["max_batch_size"], duration_s=args.inprocess_s)
-        record["inprocess"] = [asdict(r) for r in single] + [asdict(parallel)]
-        # The ceiling: the better in-process arrangement at the config's max batch (see resnet18_kit/bench/inprocess.py),
-        # measured again right after the concurrency sweep (below): the efficiency divides by the mean of
-        # the two, so a drift of the shared VM's speed during the sweep does not land on one side only.
-        best_arrangement = "parallel" if parallel.throughput > single[-1].throughput else "single"
-        ceiling_before = max(single[-1].throughput, parallel.throughput)
-        record["inprocess_at_max_batch"] = capacity = ceiling_before
-        log.info("%s: in-process ceiling %.1f infer/s at batch %d (%s)", name, capacity, record["max_batch_size"],
-                 best_arrangement)
+        progress.set_description(f"{name}: in-process bar")
+        view = local_batching(repository, model, name)
+        loaders = repository.runtimes()
+        spec = loaders.RuntimeSpec.from_parameters(view.parameters, repository.root / model / "1")
+        bar = inprocess.strongest(loaders, spec, inprocess.bar_batch_sizes(view.max_batch_size, view.dynamic_batching,
+                                                                           args.quick), args.inprocess_s)
+        record["inprocess"] = bar.tried
+        capacity = bar.best["img_per_s"]
+        log.info("%s: in-process bar %.1f infer/s (%s)", name, capacity, bar.label())
         fallback = int(capacity * 2 * args.measurement_ms / 1000)  # about 2 windows' worth of requests
         levels = concurrency_levels(name, record["max_batch_size"], record["max_queue_size"], record["instances"],
                                     args.quick)
@@ -157,20 +157,24 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
                         output_shm_bytes=RESNET18_LOGITS_BYTES,
                         measurement_ms=args.measurement_ms, fallback_request_count=fallback)
         record["concurrency"] = []
-        for level in load.levels:
-            if args.quick:  # ~2.5 s of capacity, and at least 6 rounds of the concurrency
-                load = replace(load, request_count=max(int(capacity * 2.5), 6 * int(level)))
-            progress.set_description(f"{name}: concurrency {level:g}")
-            record["concurrency"].append(measure_level(server, model, load, level, out / f"concurrency-{level:g}",
-                                                       args.sweep_protocol))
-            progress.update()
-        progress.set_description(f"{name}: in-process ceiling again")
-        ceiling_after = (inprocess.measure_parallel(repository, record["max_batch_size"], duration_s=args.inprocess_s)
-                         if best_arrangement == "parallel" else
-                         inprocess.measure(repository, "onnxruntime", [record["max_batch_size"]],
-                                           duration_s=args.inprocess_s)[0])
-        record["inprocess_ceiling_before_after"] = [ceiling_before, ceiling_after.throughput]
-        record["inprocess_at_max_batch"] = capacity = (ceiling_before + ceiling_after.throughput) / 2
+        stubs = {n: pid for n, pid in server.stub_processes().items() if n.startswith(model + "_")}
+        with PlacementSampler(stubs, os.sched_getaffinity(server.process.pid), interval_s=0.5) as placement:
+            for level in load.levels:
+                if args.quick:  # ~2.5 s of capacity, and at least 6 rounds of the concurrency
+                    load = replace(load, request_count=max(int(capacity * 2.5), 6 * int(level)))
+                progress.set_description(f"{name}: concurrency {level:g}")
+                record["concurrency"].append(measure_level(server, model, load, level,
+                                                           out / f"concurrency-{level:g}", args.sweep_protocol))
+                progress.update()
+        record["placement"] = placement_phrase(view, spec, placement.pinned, loaders.usable_cores())
+        record["shared_pinned_cores"] = {str(core): names for core, names in
+                                         shared_pinned_cores(placement.pinned).items()}
+        # The bar measured again right after the sweep: the efficiency divides by the mean of the two, so
+        # a drift of the shared machine's speed during the sweep does not land on one side only.
+        progress.set_description(f"{name}: in-process bar again")
+        after = inprocess.measure_again(loaders, spec, bar, args.inprocess_s)
+        record["inprocess_bar"] = {**bar.best, "label": bar.label(), "before_after": [capacity, after]}
+        record["inprocess_bar_img_per_s"] = capacity = (capacity + after) / 2
         rates = tuple(round(f * capacity, 1) for f in args.rate_fractions) if name in args.rate_configs else ()
         # --async: with blocking calls perf_analyzer's rate mode can keep only as many requests in flight as
         # it has threads, and then sends below the asked rate once latency grows (seen: 15 of 39 req/s).
@@ -188,6 +192,24 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
         return record
     finally:
         server.stop()
+
+
+def placement_phrase(view, spec, pinned: dict, cores: int) -> str:
+    """The table's placement cell of a config: instances x intra-op threads, how many run at once (the
+    rate limiter), and what the stubs' threads were pinned to under load (observe.placement.describe)."""
+    instances, at_once = view.instance_count(), view.concurrent_executions()
+    threads = spec.threads or cores
+    together = "" if at_once >= instances else f", {at_once} at a time (rate limiter)"
+    spinning = ", spinning" if spec.runtime == "onnxruntime" and spec.allow_spinning and threads > 1 else ""
+    return (f"{instances} x {threads} thread{'s' if threads > 1 else ''} ({spec.runtime}){together}{spinning}, "
+            f"{describe(pinned)}")
+
+
+def ratio_lines(configs: dict[str, dict]) -> list[str]:
+    """One line per config: served / in-process infer/s, with both figures and both arrangements."""
+    return [f"{name} tensors: {c['efficiency']:.2f} of in-process ({saturation_row(c)['throughput']:.1f} / "
+            f"{c['inprocess_bar_img_per_s']:.1f} infer/s; served {c['placement']}, concurrency "
+            f"{saturation_row(c)['level']:g}; in-process {c['inprocess_bar']['label']})" for name, c in configs.items()]
 
 
 def run_identity(run_dir: Path, args, progress: Progress) -> dict:
@@ -218,7 +240,7 @@ def evaluate_targets(configs: dict[str, dict], identity: dict, cores: int) -> li
         c = configs["throughput"]
         targets.append({"name": "serving efficiency at saturation, throughput config", "wanted": ">= 0.95",
                         "measured": f"{c['efficiency']:.3f} ({saturation_row(c)['throughput']:.1f} / "
-                                    f"{c['inprocess_at_max_batch']:.1f} infer/s)",
+                                    f"{c['inprocess_bar_img_per_s']:.1f} infer/s)",
                         "met": c["efficiency"] >= 0.95})
         at = next(r for r in c["concurrency"] if r["level"] == 2 * c["max_batch_size"])
         ratio = at["server"]["average_batch"] / c["max_batch_size"]
@@ -292,7 +314,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     args.measurement_ms = args.measurement_ms or (1500 if args.quick else 2500)
     args.inprocess_s = 1.5 if args.quick else 8.0
-    #: Request rates as fractions of the in-process ceiling at max batch (its capacity on this machine).
+    #: Request rates as fractions of the in-process bar (the network's capacity on this machine).
     args.rate_fractions = (0.7,) if args.quick else (0.3, 0.7, 0.9)
     args.rate_configs = ("default",) if args.quick else ("default", "throughput")
     names = [] if args.skip_tensor_sweeps else args.configs or config_names(repository, args.model)
@@ -354,10 +376,14 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report = write_report(run_dir)
     print(f"\nbench: {shown(report)} ({time.time() - started:.0f} s)")
+    for line in ratio_lines(configs):
+        print(line)
     if summary["targets"]:
-        print("tensor sweeps (resnet18_onnx):")
+        print(f"tensor sweeps ({args.model}):")
         print_targets(summary["targets"])
     if "pipeline" in summary:
+        for line in pipeline_ratio_lines(summary["pipeline"]):
+            print(line)
         print("end to end (resnet18 ensemble, encoded photos):")
         print_targets(summary["pipeline"]["targets"])
     return 0
