@@ -124,7 +124,7 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
     out = run_dir / name
     out.mkdir(parents=True)
     server_config = config_on_free_ports(model_config_name=None if name == DEFAULT_VARIANT else name,
-                                         model_repository=repository.root)
+                                         model_repository=args.served_repository or repository.root)
     server = EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log")
     progress.set_description(f"{name}: starting tritonserver")
     log.info("%s: starting tritonserver (--model-config-name %s)", name, name)
@@ -137,6 +137,7 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
             client.infer_tensor(probe, model=model)
             first_ms = (time.perf_counter() - started) * 1e3
             record = {"name": name, **served_config(client, model),
+                  "served_repository": str(args.served_repository or ""),
                       "triton_version": client.raw.get_server_metadata()["version"],
                       "cold_start": {"process_to_ready_s": ready_s, "first_inference_ms": first_ms}}
         log.debug("%s: first inference %.1f ms; served config %s", name, first_ms,
@@ -284,9 +285,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-tensor-sweeps", action="store_true",
                         help="run only the end-to-end part (no per-config tensor sweeps, no identity ceiling)")
     parser.add_argument("--skip-pipeline", action="store_true", help="leave the end-to-end part out")
-    parser.add_argument("--pipeline-served-repository", type=Path, metavar="DIR",
-                        help="serve the end-to-end part from this model repository (e.g. an older checkout's "
-                             "model_repository/, for a before/after); the in-process twin is --model-repository's")
+    parser.add_argument("--served-repository", type=Path, metavar="DIR",
+                        help="serve from this model repository (e.g. an older checkout's model_repository/, for a "
+                             "before/after); the configs' in-process bars are --model-repository's")
 
 
 def usage_problem(repository: ModelRepository, args: argparse.Namespace) -> str | None:
@@ -299,9 +300,9 @@ def usage_problem(repository: ModelRepository, args: argparse.Namespace) -> str 
     unknown = sorted(set(args.configs or ()) - set(known))
     if unknown and not args.skip_tensor_sweeps:
         return f"--configs: no such config of {args.model}: {', '.join(unknown)} (one of {', '.join(known)})"
-    served = args.pipeline_served_repository
-    if served is not None and not (served / ONNX_MODEL).is_dir():
-        return f"--pipeline-served-repository: no model repository with {ONNX_MODEL} at {served}"
+    served = args.served_repository
+    if served is not None and not (served / args.model).is_dir():
+        return f"--served-repository: no model repository with {args.model} at {served}"
     return None
 
 
@@ -321,7 +322,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     try:
         pipeline = None if args.skip_pipeline else replace(pipeline_options(
             repository, settings.results_dir(), args.quick, args.pipeline_variants,
-            None if args.quick else args.measurement_ms), served_repository=args.pipeline_served_repository)
+            None if args.quick else args.measurement_ms), served_repository=args.served_repository)
     except ValueError as exc:
         print(f"resnet18-kit bench run: --pipeline-variants: {exc}", file=sys.stderr)
         return 2
