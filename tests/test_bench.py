@@ -471,3 +471,23 @@ def test_bench_states_each_configs_ratio_in_one_line_with_its_placement(reposito
     assert ratio_lines({"int8": config}) == [
         "int8 tensors: 0.93 of in-process (210.0 / 225.5 infer/s; served 2 x 1 thread (openvino), unpinned, "
         "concurrency 64; in-process openvino model.int8.onnx, openvino streams x2, batch 16)"]
+
+
+def test_tensor_targets_read_the_sweeps_and_the_in_process_figures():
+    from resnet18_kit.bench.sweeps import evaluate_targets
+
+    def row(level, throughput, p50_ms, average_batch):
+        return {"level": level, "throughput": throughput, "p50_us": p50_ms * 1e3, "server": {"average_batch": average_batch}}
+
+    configs = {
+        "throughput": {"efficiency": 0.96, "max_batch_size": 32, "inprocess_bar_img_per_s": 50.0,
+                       "concurrency": [row(1, 20.0, 30.0, 1.0), row(64, 48.0, 900.0, 30.0)]},
+        "latency": {"concurrency": [row(1, 40.0, 21.0, 1.0)], "inprocess_batch1": {"p50_ms": 19.5}},
+    }
+    identity = {"concurrency": [row(128, 7500.0, 10.0, 16.0)]}
+    targets = evaluate_targets(configs, identity, cores=2)
+    assert [t["met"] for t in targets] == [True, True, True, True]
+    assert targets[0]["measured"] == "0.960 (48.0 / 50.0 infer/s)"
+    assert targets[2]["measured"] == "21.0 vs 19.5 ms (+1.5 ms)"
+    configs["latency"]["inprocess_batch1"]["p50_ms"] = 18.0
+    assert evaluate_targets(configs, identity, cores=2)[2]["met"] is False  # +3.0 ms

@@ -1,9 +1,11 @@
-"""No two instances of a served network share a pinned core.
+"""No two instances of a served model (the network's or preprocess's) share a pinned core.
 
 A runtime that pins its threads picks the same cores in every stub process (resnet18_onnx/1/runtimes.py,
 "Placement"): OpenVINO put both single-threaded `int8` instances on core 0 of 2, ONNX Runtime with 0
 intra-op threads pinned both default instances' workers to core 1. While each config serves a load, every
 stub thread's affinity is read from /proc (observe.placement); any core pinned by two instances fails.
+The load: tensors to the network from some clients, photos through the ensemble (preprocess too) from
+the others.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import numpy as np
 import pytest
 
 from resnet18_kit.client.classifier import TritonClassifierClient
-from resnet18_kit.contract import ONNX_MODEL
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.contract import ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.observe.placement import (PlacementSampler, describe, parse_cpu_list, shared_pinned_cores,
                                             thread_affinities)
 from resnet18_kit.server.config import config_on_free_ports
@@ -26,23 +29,27 @@ CLIENTS = 4
 
 
 def pinned_under_load(server: EmbeddedTritonServer) -> dict:
-    """Send batches of 4 from CLIENTS threads for LOAD_S seconds while sampling the network's stubs."""
-    stubs = {name: pid for name, pid in server.stub_processes().items() if name.startswith(ONNX_MODEL + "_")}
-    assert len(stubs) == 2, stubs  # both configs below run two instances of the network
+    """For LOAD_S seconds, batches of 4 tensors from half of CLIENTS threads and 2 photos a request
+    through the ensemble from the others, while sampling the network's and preprocess's stubs."""
+    stubs = {name: pid for name, pid in server.stub_processes().items()
+             if name.startswith((ONNX_MODEL + "_", PREPROCESS_MODEL + "_"))}
+    network = [name for name in stubs if name.startswith(ONNX_MODEL + "_")]
+    assert len(network) == 2 and len(stubs) > 3, stubs  # both configs: 2 network instances, preprocess's
     usable = frozenset(os.sched_getaffinity(server.process.pid))
     stop, answered, errors = threading.Event(), [0], []
     batch = np.random.default_rng(0).standard_normal((4, 3, 224, 224), dtype=np.float32)
+    photos = [path.read_bytes() for path in sample_photos(("rocket.jpg", "coffee.png"))]
 
-    def load() -> None:
+    def load(photo_client: bool) -> None:
         try:
             with TritonClassifierClient(server.config.grpc_url, "grpc") as client:
                 while not stop.is_set():
-                    client.infer_tensor(batch)
+                    client.classify(photos) if photo_client else client.infer_tensor(batch)
                     answered[0] += 1
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=load) for _ in range(CLIENTS)]
+    threads = [threading.Thread(target=load, args=(i % 2 == 1,)) for i in range(CLIENTS)]
     with PlacementSampler(stubs, usable) as sampler:
         for thread in threads:
             thread.start()
@@ -82,3 +89,26 @@ def test_affinities_are_read_per_thread_from_proc():
     assert threading.get_native_id() in mine
     assert mine[threading.get_native_id()] == os.sched_getaffinity(0)
     assert thread_affinities(2 ** 22 + 1) == {}  # above Linux's pid_max: no such process
+
+
+def test_sampler_sees_a_thread_pinned_to_one_core_while_it_is():
+    usable = os.sched_getaffinity(0)
+    if len(usable) < 2:
+        pytest.fail("this check needs 2 usable cores (the reference machine has 2)")
+    core = min(usable)
+    pinned, release = threading.Event(), threading.Event()
+
+    def pin_then_wait() -> None:
+        os.sched_setaffinity(0, {core})  # 0: the calling thread only
+        pinned.set()
+        release.wait()
+
+    thread = threading.Thread(target=pin_then_wait)
+    with PlacementSampler({"me": os.getpid()}, usable, interval_s=0.02) as sampler:
+        thread.start()
+        pinned.wait()
+        time.sleep(0.1)
+        release.set()
+        thread.join()
+    assert sampler.pinned == {"me": frozenset({core})}
+    assert describe(sampler.pinned) == f"pinned: me -> core {core}"
