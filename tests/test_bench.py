@@ -461,12 +461,12 @@ def test_bench_states_each_configs_ratio_in_one_line_with_its_placement(reposito
         view = ModelConfigView.for_variant(repository, ONNX_MODEL, variant)
         spec = loaders.RuntimeSpec.from_parameters(view.parameters, repository.onnx_path.parent)
         phrases[variant] = placement_phrase(view, spec, {"resnet18_onnx_0_0": frozenset(), "resnet18_onnx_0_1": frozenset()}, 2)
-    assert phrases["int8"] == "2 x 1 thread (openvino), unpinned"
+    assert phrases["int8"] == "2 x 2 threads (openvino), unpinned"
     assert phrases["default"] == "2 x 2 threads (onnxruntime), 1 at a time (rate limiter), unpinned"
     pinned = {"resnet18_onnx_0_0": frozenset({0}), "resnet18_onnx_0_1": frozenset({0})}
     assert placement_phrase(view, spec, pinned, 2).endswith("pinned: resnet18_onnx_0_0 -> core 0; resnet18_onnx_0_1 -> core 0")
     config = {"efficiency": 0.931, "concurrency": [{"level": 1, "throughput": 50.0}, {"level": 64, "throughput": 210.0}],
-              "inprocess_bar_img_per_s": 225.5, "placement": phrases["int8"],
+              "inprocess_bar_img_per_s": 225.5, "placement": "2 x 1 thread (openvino), unpinned",
               "inprocess_bar": {"label": "openvino model.int8.onnx, openvino streams x2, batch 16"}}
     assert ratio_lines({"int8": config}) == [
         "int8 tensors: 0.93 of in-process (210.0 / 225.5 infer/s; served 2 x 1 thread (openvino), unpinned, "

@@ -116,7 +116,7 @@ def test_the_plan_writes_both_stages_configs(tmp_path):
 
 def test_the_served_stages_of_a_config_name_as_tritonserver_picks_them(tmp_path):
     """validate-ensemble's scratch repository: the shipped configs plus a planned one; under "int8" the
-    network runs 2 single-thread instances at once and preprocess (no configs/int8.pbtxt) its config.pbtxt's
+    network runs its 2 instances at once and preprocess (no configs/int8.pbtxt) its config.pbtxt's
     3; under "default" the network has 2 instances and the rate limiter lets one run at a time; a planned
     name serves the planned files of both stages."""
     from resnet18_kit.planner.validate_ensemble import scratch_repository, served_stages

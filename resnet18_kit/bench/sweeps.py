@@ -171,7 +171,10 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
                 record["concurrency"].append(measure_level(server, model, load, level,
                                                            out / f"concurrency-{level:g}", args.sweep_protocol))
                 progress.update()
-        record["placement"] = placement_phrase(view, spec, placement.pinned, loaders.usable_cores())
+        served_view = (local_batching(ModelRepository(args.served_repository), model, name)
+                       if args.served_repository else view)
+        served_spec = loaders.RuntimeSpec.from_parameters(served_view.parameters, spec.path.parent)
+        record["placement"] = placement_phrase(served_view, served_spec, placement.pinned, loaders.usable_cores())
         record["shared_pinned_cores"] = {str(core): names for core, names in
                                          shared_pinned_cores(placement.pinned).items()}
         # The bar measured again right after the sweep: the efficiency divides by the mean of the two, so

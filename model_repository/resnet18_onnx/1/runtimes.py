@@ -92,8 +92,7 @@ def _openvino(spec: RuntimeSpec) -> Runner:
 
     config = {"INFERENCE_PRECISION_HINT": spec.precision, "PERFORMANCE_HINT": "LATENCY",
               "ENABLE_CPU_PINNING": False}  # module docstring, "Placement"
-    if spec.threads:
-        config["INFERENCE_NUM_THREADS"] = spec.threads
+    config["INFERENCE_NUM_THREADS"] = spec.threads or usable_cores()
     compiled = ov.Core().compile_model(str(spec.path), "CPU", config)
     return _openvino_runner(compiled, compiled.create_infer_request())
 
