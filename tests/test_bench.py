@@ -491,3 +491,18 @@ def test_tensor_targets_read_the_sweeps_and_the_in_process_figures():
     assert targets[2]["measured"] == "21.0 vs 19.5 ms (+1.5 ms)"
     configs["latency"]["inprocess_batch1"]["p50_ms"] = 18.0
     assert evaluate_targets(configs, identity, cores=2)[2]["met"] is False  # +3.0 ms
+    unmeasured = {"concurrency": [], "failed_levels": [{"level": 128, "error": "perf_analyzer killed: no exit"}]}
+    last = evaluate_targets(configs, unmeasured, cores=2)[-1]
+    assert last["met"] is False and last["measured"] == "not measured: concurrency 128: perf_analyzer killed: no exit"
+
+
+def test_a_perf_analyzer_run_that_never_exits_is_killed_run_once_more_and_reported_as_failed(tmp_path):
+    from resnet18_kit.load.perf_analyzer import HUNG_EXIT, error_summary, run_perf_analyzer
+
+    started = time.monotonic()
+    result = run_perf_analyzer(["sh", "-c", "echo started >> " + str(tmp_path / "runs") + "; sleep 30"], tmp_path,
+                               timeout_s=60, hang_s=1.0)
+    assert result.returncode == HUNG_EXIT
+    assert (tmp_path / "runs").read_text() == "started\nstarted\n"  # run once more, then given up
+    assert time.monotonic() - started < 15
+    assert error_summary((tmp_path / "perf_analyzer.log").read_text()) == "perf_analyzer killed: no exit after 1 s (twice)"
