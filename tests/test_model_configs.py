@@ -63,8 +63,8 @@ def test_config_names_its_directory_and_variants_match_the_default(path):
 PREFETCHING_VARIANTS = {"latency", "throughput"}
 
 
-#: Variants of the ensemble's steps that never hold a lone request back (the default CPU configs are tuned
-#: for the main job, where a delay is paid in full by every request at low load; see their comments).
+#: Variants that never hold a lone request back (the default CPU configs are tuned for the main job, where
+#: a delay is paid in full by every request at low load, and for a lone client; see their comments).
 ZERO_DELAY_VARIANTS = {"latency", "default", "int8"}
 
 
@@ -100,10 +100,14 @@ def test_batched_model_has_batcher_queue_policy_instances_and_warmup(path):
     else:
         assert batcher.default_queue_policy.max_queue_size > 0  # bounded queue: back-pressure
     model = path.parent.name if path.name == "config.pbtxt" else path.parent.parent.name
-    if variant == "latency" or (variant in ZERO_DELAY_VARIANTS and model in ensemble_steps()):
+    if variant in ZERO_DELAY_VARIANTS:
         assert batcher.max_queue_delay_microseconds == 0
     else:
         assert batcher.max_queue_delay_microseconds > 0
+    if batcher.HasField("default_queue_policy") and variant != "gpu":  # gpu: the NGC image's Triton, not measured here
+        # Triton 2.51's lost wake-up: with a queue policy a lone instance can sleep 500 ms with a request
+        # waiting; a second instance is idle for it (resnet18_onnx/config.pbtxt).
+        assert sum(g.count for g in config.instance_group) >= 2
     if variant == "throughput":
         assert list(batcher.preferred_batch_size) == [config.max_batch_size]
 

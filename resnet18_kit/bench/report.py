@@ -191,9 +191,11 @@ def tensor_markdown(summary: dict, plots: dict[str, str]) -> list[str]:
             f"![batch sizes]({plots['batch_sizes']})", ""]
     for c in summary["configs"]:
         out += [f"#### {c['name']}: concurrency sweep", ""] + level_table(c["concurrency"], "concurrency")
-        if c["request_rate"]:
+        if c["request_rate"] or c.get("request_rate_refused"):
             out += ["", f"#### {c['name']}: request-rate sweep (Poisson)", ""]
-            out += level_table(c["request_rate"], "requests/s")
+            out += level_table(c["request_rate"], "requests/s") if c["request_rate"] else []
+            out += [f"\n{r['level']:g} requests/s: refused by the full queue ({r['error']}); higher rates skipped."
+                    for r in c.get("request_rate_refused", [])]
         out.append("")
     out += [f"### In-process, no server (every arrangement tried for {summary['configs'][0]['name']}; TorchScript)",
             "", "| runtime, arrangement | batch | images/s | p50 ms per batch |",

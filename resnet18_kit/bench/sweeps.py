@@ -194,11 +194,21 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
                              output_shm_bytes=RESNET18_LOGITS_BYTES, measurement_ms=args.measurement_ms,
                              fallback_request_count=fallback,
                              request_count=int(capacity * 2.5) if args.quick else 0)
-        record["request_rate"] = []
+        record["request_rate"], record["request_rate_refused"] = [], []
         for rate in rates:
             progress.set_description(f"{name}: {rate:g} requests/s")
-            record["request_rate"].append(measure_level(server, model, rate_load, rate, out / f"rate-{rate:g}",
-                                                        args.sweep_protocol))
+            try:
+                record["request_rate"].append(measure_level(server, model, rate_load, rate,
+                                                            out / f"rate-{rate:g}", args.sweep_protocol))
+            except PerfAnalyzerError as exc:
+                # An open-loop rate above what the server sustains fills a bounded queue, and Triton refuses
+                # the excess (back-pressure working, not a fault): recorded, and the higher rates skipped.
+                if "Exceeds maximum queue size" not in str(exc):
+                    raise
+                log.warning("%s: %g requests/s refused by the full queue; higher rates skipped", name, rate)
+                record["request_rate_refused"].append({"level": rate, "error": exc.summary})
+                progress.update(len(rates) - len(record["request_rate"]))
+                break
             progress.update()
         record["efficiency"] = saturation_row(record)["throughput"] / capacity
         return record
