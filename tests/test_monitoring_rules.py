@@ -110,7 +110,9 @@ def limit_mismatches(groups: list[dict]) -> list[str]:
                 continue
             wanted = {"triton:model_max_queue_size": max_queue_size(config)}
             if model != PREPROCESS_MODEL:  # batches of 1 on purpose: no preferred size to fall short of
-                wanted["triton:model_preferred_batch_size"] = max(preferred_batch_sizes(config))
+                # one series per model for every deployment: the largest over the configs they load
+                wanted["triton:model_preferred_batch_size"] = max(
+                    max(preferred_batch_sizes(variant_config(SHIPPED, model, v))) for v in DEPLOYED_VARIANTS)
             for record, value in wanted.items():
                 if limits.get((record, model)) != value:
                     problems.append(f"{record}{{model={model}}} = {limits.get((record, model))}, "

@@ -28,6 +28,7 @@ TorchScript pins nothing. tests/test_placement.py reads the threads' affinities 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -88,13 +89,25 @@ def _onnxruntime(spec: RuntimeSpec) -> Runner:
 
 
 def _openvino(spec: RuntimeSpec) -> Runner:
-    import openvino as ov
-
     config = {"INFERENCE_PRECISION_HINT": spec.precision, "PERFORMANCE_HINT": "LATENCY",
               "ENABLE_CPU_PINNING": False}  # module docstring, "Placement"
     config["INFERENCE_NUM_THREADS"] = spec.threads or usable_cores()
-    compiled = ov.Core().compile_model(str(spec.path), "CPU", config)
+    compiled = _compile_openvino(spec.path, config)
     return _openvino_runner(compiled, compiled.create_infer_request())
+
+
+def _compile_openvino(path: Path, config: dict):
+    """`path` compiled for OpenVINO's CPU plugin with `config`, on a thread of its own that ends at once.
+    OpenVINO 2026.4 sets a signal alternate stack (sigaltstack) on the thread that compiles, and after
+    several compiled models in one process come and go it can leave that thread's alternate stack pointing
+    at freed memory: the next signal handled there (SIGTERM, Ctrl-C) crashed the process with SIGSEGV
+    (bench's in-process pipeline built and dropped, then a SIGTERM: tests/test_int8.py). No OpenVINO
+    release is known to fix it (seen with 2026.4.1). A thread that ends takes its alternate stack with it,
+    so the caller's signals stay safe."""
+    import openvino as ov
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="openvino-compile") as pool:
+        return pool.submit(ov.Core().compile_model, str(path), "CPU", config).result()
 
 
 def _openvino_runner(compiled, request) -> Runner:
@@ -114,10 +127,8 @@ def load_streams(spec: RuntimeSpec) -> list[Runner]:
     served instances run one inference at a time each. Raises ValueError for another runtime."""
     if spec.runtime != "openvino":
         raise ValueError(f"streams are OpenVINO's; {spec.path.name} runs on {spec.runtime}")
-    import openvino as ov
-
-    compiled = ov.Core().compile_model(str(spec.path), "CPU", {"INFERENCE_PRECISION_HINT": spec.precision,
-                                                                "PERFORMANCE_HINT": "THROUGHPUT"})
+    compiled = _compile_openvino(spec.path, {"INFERENCE_PRECISION_HINT": spec.precision,
+                                             "PERFORMANCE_HINT": "THROUGHPUT"})
     requests = compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS")
     return [_openvino_runner(compiled, compiled.create_infer_request()) for _ in range(requests)]
 
