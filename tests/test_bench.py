@@ -3,7 +3,6 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -242,69 +241,6 @@ def test_concurrent_executions_follow_the_rate_limiter():
     assert concurrent_executions(config(mixed)) == 2  # 2 available: the two asking for 1 fit together
 
 
-def test_inprocess_pipeline_on_two_photos_runs_the_variants_network_arranged_for_speed(repository):
-    from resnet18_kit.bench.inprocess import bar_batch_sizes
-    from resnet18_kit.bench.pipeline_inprocess import PipelineTwin
-    from resnet18_kit.client.samples import sample_photos
-
-    twin = PipelineTwin(repository, "int8", choose_s=0.3)
-    network = ModelConfigView.for_variant(repository, ONNX_MODEL, "int8")
-    spec = repository.runtimes().RuntimeSpec.from_parameters(network.parameters, repository.onnx_path.parent)
-    assert twin.spec == spec and twin.spec.runtime == "openvino"  # the variant's file and runtime
-    assert twin.batch_size in bar_batch_sizes(network.max_batch_size, True, quick=True)
-    tried = twin.network_bar.tried
-    assert {row["arrangement"] for row in tried} == {"1 runner x all cores", "1 thread x N runners", "openvino streams"}
-    assert twin.network_bar.best["img_per_s"] == max(row["throughput"] for row in tried)
-    assert twin.network_workers == len(twin.runners) == twin.network_bar.best["runners"]
-    assert twin.decode_threads == len(os.sched_getaffinity(0)) + 1
-    photos = [p.read_bytes() for p in sample_photos(("rocket.jpg", "chelsea.png"))]
-    result = twin.measure(photos, saturation_s=1.0, batch1_s=0.5)
-    assert result["saturation_img_per_s"] > 0 and math.isfinite(result["saturation_img_per_s"])
-    assert result["saturation_batches"] >= 3 and result["batch1_images"] >= 20
-    assert 0 < result["batch1_p50_ms"] <= result["batch1_p99_ms"] < math.inf
-
-
-class _FakeLoaders:
-    """A runtimes module stand-in whose runners sleep: one runner on all cores takes 40 ms a batch
-    whatever its size; a single-threaded one 10 ms per image; a stream 30 ms a batch."""
-
-    @staticmethod
-    def usable_cores() -> int:
-        return 2
-
-    @staticmethod
-    def load(spec):
-        return (lambda batch: time.sleep(0.04)) if spec.threads == 0 else (lambda batch: time.sleep(0.01 * len(batch)))
-
-    @staticmethod
-    def load_streams(spec):
-        return [lambda batch: time.sleep(0.03)] * 3
-
-
-def test_inprocess_bar_keeps_the_fastest_arrangement_and_batch():
-    from resnet18_kit.bench.inprocess import bar_batch_sizes, strongest
-
-
-    @dataclass(frozen=True)
-    class Spec:  # the fields of runtimes.RuntimeSpec that the bar reads
-        path: Path
-        runtime: str
-        threads: int = 1
-        precision: str = "f32"
-
-    bar = strongest(_FakeLoaders, Spec(Path("model.int8.onnx"), "openvino"), [4, 16], duration_s=0.3)
-    # expected: streams at batch 16, 3 x 16 images per 30 ms = 1600 img/s (all cores: 400; per core: 200)
-    assert (bar.best["arrangement"], bar.best["batch_size"], bar.best["runners"]) == ("openvino streams", 16, 3)
-    assert 1200 < bar.best["img_per_s"] < 1700
-    assert len(bar.tried) == 6 and "openvino streams x3, batch 16" in bar.label()
-    ort = strongest(_FakeLoaders, Spec(Path("model.onnx"), "onnxruntime"), [16], duration_s=0.2)
-    assert {row["arrangement"] for row in ort.tried} == {"1 runner x all cores", "1 thread x N runners"}
-    assert ort.best["arrangement"] == "1 runner x all cores"  # 16 / 40 ms = 400 against 2 x 100
-    assert bar_batch_sizes(16, True, quick=True) == [8, 16]
-    assert bar_batch_sizes(32, True, quick=False) == [8, 16, 32]
-    assert bar_batch_sizes(16, False, quick=False) == [1]  # no dynamic batcher: executions of one request
-
-
 def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on_both_steps(
         triton_server, tmp_path):
     """12 photos as BYTES requests at concurrency 2: perf_analyzer sent 12, and the statistics extension
@@ -449,60 +385,3 @@ def test_report_latency_breakdown_draws_every_config_at_one_concurrency():
         assert [t.get_text() for t in ax.texts] == ["c=1", "c=64", "c=16", "c=32"]
     finally:
         plt.close(fig)
-
-
-
-def test_bench_states_each_configs_ratio_in_one_line_with_its_placement(repository):
-    from resnet18_kit.bench.sweeps import placement_phrase, ratio_lines
-
-    loaders = repository.runtimes()
-    phrases = {}
-    for variant in ("int8", "default"):
-        view = ModelConfigView.for_variant(repository, ONNX_MODEL, variant)
-        spec = loaders.RuntimeSpec.from_parameters(view.parameters, repository.onnx_path.parent)
-        phrases[variant] = placement_phrase(view, spec, {"resnet18_onnx_0_0": frozenset(), "resnet18_onnx_0_1": frozenset()}, 2)
-    assert phrases["int8"] == "2 x 2 threads (openvino), unpinned"
-    assert phrases["default"] == "2 x 2 threads (onnxruntime), 1 at a time (rate limiter), unpinned"
-    pinned = {"resnet18_onnx_0_0": frozenset({0}), "resnet18_onnx_0_1": frozenset({0})}
-    assert placement_phrase(view, spec, pinned, 2).endswith("pinned: resnet18_onnx_0_0 -> core 0; resnet18_onnx_0_1 -> core 0")
-    config = {"efficiency": 0.931, "concurrency": [{"level": 1, "throughput": 50.0}, {"level": 64, "throughput": 210.0}],
-              "inprocess_bar_img_per_s": 225.5, "placement": "2 x 1 thread (openvino), unpinned",
-              "inprocess_bar": {"label": "openvino model.int8.onnx, openvino streams x2, batch 16"}}
-    assert ratio_lines({"int8": config}) == [
-        "int8 tensors: 0.93 of in-process (210.0 / 225.5 infer/s; served 2 x 1 thread (openvino), unpinned, "
-        "concurrency 64; in-process openvino model.int8.onnx, openvino streams x2, batch 16)"]
-
-
-def test_tensor_targets_read_the_sweeps_and_the_in_process_figures():
-    from resnet18_kit.bench.sweeps import evaluate_targets
-
-    def row(level, throughput, p50_ms, average_batch):
-        return {"level": level, "throughput": throughput, "p50_us": p50_ms * 1e3, "server": {"average_batch": average_batch}}
-
-    configs = {
-        "throughput": {"efficiency": 0.96, "max_batch_size": 32, "inprocess_bar_img_per_s": 50.0,
-                       "concurrency": [row(1, 20.0, 30.0, 1.0), row(64, 48.0, 900.0, 30.0)]},
-        "latency": {"concurrency": [row(1, 40.0, 21.0, 1.0)], "inprocess_batch1": {"p50_ms": 19.5}},
-    }
-    identity = {"concurrency": [row(128, 7500.0, 10.0, 16.0)]}
-    targets = evaluate_targets(configs, identity, cores=2)
-    assert [t["met"] for t in targets] == [True, True, True, True]
-    assert targets[0]["measured"] == "0.960 (48.0 / 50.0 infer/s)"
-    assert targets[2]["measured"] == "21.0 vs 19.5 ms (+1.5 ms)"
-    configs["latency"]["inprocess_batch1"]["p50_ms"] = 18.0
-    assert evaluate_targets(configs, identity, cores=2)[2]["met"] is False  # +3.0 ms
-    unmeasured = {"concurrency": [], "failed_levels": [{"level": 128, "error": "perf_analyzer killed: no exit"}]}
-    last = evaluate_targets(configs, unmeasured, cores=2)[-1]
-    assert last["met"] is False and last["measured"] == "not measured: concurrency 128: perf_analyzer killed: no exit"
-
-
-def test_a_perf_analyzer_run_that_never_exits_is_killed_run_once_more_and_reported_as_failed(tmp_path):
-    from resnet18_kit.load.perf_analyzer import HUNG_EXIT, error_summary, run_perf_analyzer
-
-    started = time.monotonic()
-    result = run_perf_analyzer(["sh", "-c", "echo started >> " + str(tmp_path / "runs") + "; sleep 30"], tmp_path,
-                               timeout_s=60, hang_s=1.0)
-    assert result.returncode == HUNG_EXIT
-    assert (tmp_path / "runs").read_text() == "started\nstarted\n"  # run once more, then given up
-    assert time.monotonic() - started < 15
-    assert error_summary((tmp_path / "perf_analyzer.log").read_text()) == "perf_analyzer killed: no exit after 1 s (twice)"

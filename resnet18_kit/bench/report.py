@@ -2,7 +2,8 @@
 
 Sections: the tensor sweeps of resnet18_onnx per config (summary "configs", "inprocess", "identity";
 absent with --skip-tensor-sweeps) and the end-to-end pipeline (summary "pipeline", resnet18_kit/bench/pipeline_report.py;
-absent with --skip-pipeline)."""
+absent with --skip-pipeline). Also what the run prints from the tensor sweeps: each config's placement
+phrase, its one ratio line, and the targets met or missed."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from resnet18_kit.bench import pipeline_report  # noqa: E402
+from resnet18_kit.observe.placement import describe  # noqa: E402
 
 BREAKDOWN = (("server_queue_us", "server queue"), ("server_compute_input_us", "compute input"),
              ("server_compute_infer_us", "compute infer"), ("server_compute_output_us", "compute output"),
@@ -239,3 +241,55 @@ def write_report(run_dir: Path) -> Path:
     report = run_dir / "report.md"
     report.write_text(markdown(summary, plots))
     return report
+
+
+def placement_phrase(view, spec, pinned: dict, cores: int) -> str:
+    """The table's placement cell of a config: instances x intra-op threads, how many run at once (the
+    rate limiter), and what the stubs' threads were pinned to under load (observe.placement.describe)."""
+    instances, at_once = view.instance_count(), view.concurrent_executions()
+    threads = spec.threads or cores
+    together = "" if at_once >= instances else f", {at_once} at a time (rate limiter)"
+    spinning = ", spinning" if spec.runtime == "onnxruntime" and spec.allow_spinning and threads > 1 else ""
+    return (f"{instances} x {threads} thread{'s' if threads > 1 else ''} ({spec.runtime}){together}{spinning}, "
+            f"{describe(pinned)}")
+
+
+def ratio_lines(configs: dict[str, dict]) -> list[str]:
+    """One line per config: served / in-process infer/s, with both figures and both arrangements."""
+    return [f"{name} tensors: {c['efficiency']:.2f} of in-process ({saturation_row(c)['throughput']:.1f} / "
+            f"{c['inprocess_bar_img_per_s']:.1f} infer/s; served {c['placement']}, concurrency "
+            f"{saturation_row(c)['level']:g}; in-process {c['inprocess_bar']['label']})" for name, c in configs.items()]
+
+
+def evaluate_targets(configs: dict[str, dict], identity: dict, cores: int) -> list[dict]:
+    """The tensor sweeps' targets, each with what was measured and whether it was met."""
+    targets = []
+    if "throughput" in configs:
+        c = configs["throughput"]
+        targets.append({"name": "serving efficiency at saturation, throughput config", "wanted": ">= 0.95",
+                        "measured": f"{c['efficiency']:.3f} ({saturation_row(c)['throughput']:.1f} / "
+                                    f"{c['inprocess_bar_img_per_s']:.1f} infer/s)",
+                        "met": c["efficiency"] >= 0.95})
+        at = next(r for r in c["concurrency"] if r["level"] == 2 * c["max_batch_size"])
+        ratio = at["server"]["average_batch"] / c["max_batch_size"]
+        targets.append({"name": f"average batch at concurrency {at['level']:g} (2 x max_batch_size), "
+                                "throughput config", "wanted": f">= 0.9 x {c['max_batch_size']}",
+                        "measured": f"{at['server']['average_batch']:.1f} ({ratio:.2f} x)", "met": ratio >= 0.9})
+    if "latency" in configs:
+        c = configs["latency"]
+        one = next(r for r in c["concurrency"] if r["level"] == 1)
+        inproc = c["inprocess_batch1"]["p50_ms"]
+        gap = one["p50_us"] / 1000 - inproc
+        targets.append({"name": "latency config p50 at concurrency 1 vs in-process batch 1",
+                        "wanted": "within 2 ms", "measured": f"{one['p50_us'] / 1000:.1f} vs {inproc:.1f} ms "
+                                                             f"(+{gap:.1f} ms)", "met": gap <= 2.0})
+    if not identity["concurrency"]:
+        targets.append({"name": "trivial-model ceiling over gRPC", "wanted": "> 7,000 infer/s", "met": False,
+                        "measured": "not measured: " + "; ".join(
+                            f"concurrency {f['level']:g}: {f['error']}" for f in identity["failed_levels"])})
+        return targets
+    best = max(identity["concurrency"], key=lambda r: r["throughput"])
+    targets.append({"name": "trivial-model ceiling over gRPC", "wanted": "> 7,000 infer/s",
+                    "measured": f"{best['throughput']:,.0f} infer/s at concurrency {best['level']:g} "
+                                f"({best['throughput'] / cores:,.0f} per core)", "met": best["throughput"] > 7000})
+    return targets

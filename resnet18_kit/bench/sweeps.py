@@ -53,9 +53,9 @@ from resnet18_kit.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, Per
 from resnet18_kit.bench.pipeline import pipeline_options, print_targets, run_pipeline
 from resnet18_kit.bench.pipeline import ratio_lines as pipeline_ratio_lines
 from resnet18_kit.observe.model_config import ModelConfigView, served_config
-from resnet18_kit.observe.placement import PlacementSampler, describe, shared_pinned_cores
+from resnet18_kit.observe.placement import PlacementSampler, shared_pinned_cores
 from resnet18_kit.progress import Progress
-from resnet18_kit.bench.report import saturation_row, write_report
+from resnet18_kit.bench.report import evaluate_targets, placement_phrase, ratio_lines, saturation_row, write_report
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.contract import DEFAULT_VARIANT, ONNX_MODEL
@@ -216,24 +216,6 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
         server.stop()
 
 
-def placement_phrase(view, spec, pinned: dict, cores: int) -> str:
-    """The table's placement cell of a config: instances x intra-op threads, how many run at once (the
-    rate limiter), and what the stubs' threads were pinned to under load (observe.placement.describe)."""
-    instances, at_once = view.instance_count(), view.concurrent_executions()
-    threads = spec.threads or cores
-    together = "" if at_once >= instances else f", {at_once} at a time (rate limiter)"
-    spinning = ", spinning" if spec.runtime == "onnxruntime" and spec.allow_spinning and threads > 1 else ""
-    return (f"{instances} x {threads} thread{'s' if threads > 1 else ''} ({spec.runtime}){together}{spinning}, "
-            f"{describe(pinned)}")
-
-
-def ratio_lines(configs: dict[str, dict]) -> list[str]:
-    """One line per config: served / in-process infer/s, with both figures and both arrangements."""
-    return [f"{name} tensors: {c['efficiency']:.2f} of in-process ({saturation_row(c)['throughput']:.1f} / "
-            f"{c['inprocess_bar_img_per_s']:.1f} infer/s; served {c['placement']}, concurrency "
-            f"{saturation_row(c)['level']:g}; in-process {c['inprocess_bar']['label']})" for name, c in configs.items()]
-
-
 def run_identity(run_dir: Path, args, progress: Progress) -> dict:
     """The batching-layer ceiling: `identity` through the same server, batcher and protocol stack."""
     out = run_dir / IDENTITY_MODEL
@@ -259,40 +241,6 @@ def run_identity(run_dir: Path, args, progress: Progress) -> dict:
             progress.update()
     return {"instances": instances, "protocol": "grpc", "mode": "async", "concurrency": rows,
             "failed_levels": failed}
-
-
-def evaluate_targets(configs: dict[str, dict], identity: dict, cores: int) -> list[dict]:
-    """The tensor sweeps' targets, each with what was measured and whether it was met."""
-    targets = []
-    if "throughput" in configs:
-        c = configs["throughput"]
-        targets.append({"name": "serving efficiency at saturation, throughput config", "wanted": ">= 0.95",
-                        "measured": f"{c['efficiency']:.3f} ({saturation_row(c)['throughput']:.1f} / "
-                                    f"{c['inprocess_bar_img_per_s']:.1f} infer/s)",
-                        "met": c["efficiency"] >= 0.95})
-        at = next(r for r in c["concurrency"] if r["level"] == 2 * c["max_batch_size"])
-        ratio = at["server"]["average_batch"] / c["max_batch_size"]
-        targets.append({"name": f"average batch at concurrency {at['level']:g} (2 x max_batch_size), "
-                                "throughput config", "wanted": f">= 0.9 x {c['max_batch_size']}",
-                        "measured": f"{at['server']['average_batch']:.1f} ({ratio:.2f} x)", "met": ratio >= 0.9})
-    if "latency" in configs:
-        c = configs["latency"]
-        one = next(r for r in c["concurrency"] if r["level"] == 1)
-        inproc = c["inprocess_batch1"]["p50_ms"]
-        gap = one["p50_us"] / 1000 - inproc
-        targets.append({"name": "latency config p50 at concurrency 1 vs in-process batch 1",
-                        "wanted": "within 2 ms", "measured": f"{one['p50_us'] / 1000:.1f} vs {inproc:.1f} ms "
-                                                             f"(+{gap:.1f} ms)", "met": gap <= 2.0})
-    if not identity["concurrency"]:
-        targets.append({"name": "trivial-model ceiling over gRPC", "wanted": "> 7,000 infer/s", "met": False,
-                        "measured": "not measured: " + "; ".join(
-                            f"concurrency {f['level']:g}: {f['error']}" for f in identity["failed_levels"])})
-        return targets
-    best = max(identity["concurrency"], key=lambda r: r["throughput"])
-    targets.append({"name": "trivial-model ceiling over gRPC", "wanted": "> 7,000 infer/s",
-                    "measured": f"{best['throughput']:,.0f} infer/s at concurrency {best['level']:g} "
-                                f"({best['throughput'] / cores:,.0f} per core)", "met": best["throughput"] > 7000})
-    return targets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

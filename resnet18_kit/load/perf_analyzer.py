@@ -300,24 +300,17 @@ def command(model: str, url: str, protocol: str, load: LoadSpec, level: float, o
 #: When perf_analyzer finds no 3 consecutive windows within `stability_pct` of each other in max_trials
 #: (a noisy machine: CPU steal on a shared VM stalls single requests for 0.5 s), the level is measured
 #: again as a fixed count of requests (`fallback_request_count`); command.txt records which it used.
-
-
-#: A fixed-request-count run that has not exited after this long is taken as hung and started again once:
+#: A fixed-request-count run that has not exited after HANG_S is taken as hung and started again once:
 #: perf_analyzer 2.51 in --async mode sometimes never exits after the server answered every request
-#: (seen once in ~30 quick runs: identity at concurrency 128, 20,000 requests, all answered per the
-#: statistics extension, the client idle for 10 minutes; and twice in a row on a faster machine, identity
-#: at concurrency 128, 31,500 requests).
+#: (identity at concurrency 128: once in ~30 quick runs, the client idle 10 minutes; twice in a row on a
+#: faster machine). A run killed for the last time exits HUNG_EXIT (as timeout(1)), its log saying so.
 HANG_S = 120.0
-
-#: The exit status given to a run killed for hanging (or for passing timeout_s), as timeout(1) gives.
 HUNG_EXIT = 124
 
 
 def _run_once_more_if_hung(cmd: list[str], log_path: Path, env: dict, timeout_s: float,
                            hang_s: float | None) -> subprocess.CompletedProcess:
-    """Run cmd (output to log_path); a run past hang_s is killed and started once more. A run killed for
-    the last time (past hang_s twice, or past timeout_s) returns HUNG_EXIT with a line saying so at the
-    end of its log, so the caller reports it as a failed level."""
+    """cmd into log_path; killed past hang_s, run once more; killed again (or past timeout_s): HUNG_EXIT."""
     limit_s = hang_s or timeout_s
     for attempt in (1, 2):
         with open(log_path, "w") as log:
@@ -330,8 +323,7 @@ def _run_once_more_if_hung(cmd: list[str], log_path: Path, env: dict, timeout_s:
         print(f"perf_analyzer: no exit after {hang_s:.0f} s with a fixed request count; running it again",
               file=sys.stderr)
     with open(log_path, "a") as log:
-        log.write(f"\nperf_analyzer killed: no exit after {limit_s:.0f} s"
-                  f"{' (twice)' if hang_s is not None else ''}\n")
+        log.write(f"\nperf_analyzer killed: no exit after {limit_s:.0f} s{'' if hang_s is None else ' (twice)'}\n")
     return subprocess.CompletedProcess(cmd, HUNG_EXIT)
 
 
