@@ -9,6 +9,7 @@ from pathlib import Path
 from resnet18_kit.contract import ONNX_MODEL
 from resnet18_kit.observe.model_config import ModelConfigView
 
+
 def test_inprocess_pipeline_on_two_photos_runs_the_variants_network_arranged_for_speed(repository):
     from resnet18_kit.bench.inprocess import bar_batch_sizes
     from resnet18_kit.bench.pipeline_inprocess import PipelineTwin
@@ -50,7 +51,6 @@ class _FakeLoaders:
 
 def test_inprocess_bar_keeps_the_fastest_arrangement_and_batch():
     from resnet18_kit.bench.inprocess import bar_batch_sizes, strongest
-
 
     @dataclass(frozen=True)
     class Spec:  # the fields of runtimes.RuntimeSpec that the bar reads

@@ -99,7 +99,6 @@ def test_batched_model_has_batcher_queue_policy_instances_and_warmup(path):
         assert not batcher.HasField("default_queue_policy")
     else:
         assert batcher.default_queue_policy.max_queue_size > 0  # bounded queue: back-pressure
-    model = path.parent.name if path.name == "config.pbtxt" else path.parent.parent.name
     if variant in ZERO_DELAY_VARIANTS:
         assert batcher.max_queue_delay_microseconds == 0
     else:

@@ -58,6 +58,7 @@ from resnet18_kit.progress import Progress
 from resnet18_kit.bench.report import evaluate_targets, placement_phrase, ratio_lines, saturation_row, write_report
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
 from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client.errors import QUEUE_FULL_MESSAGE
 from resnet18_kit.contract import DEFAULT_VARIANT, ONNX_MODEL
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.config import config_on_free_ports
@@ -203,7 +204,7 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
             except PerfAnalyzerError as exc:
                 # An open-loop rate above what the server sustains fills a bounded queue, and Triton refuses
                 # the excess (back-pressure working, not a fault): recorded, and the higher rates skipped.
-                if "Exceeds maximum queue size" not in str(exc):
+                if QUEUE_FULL_MESSAGE not in str(exc):
                     raise
                 log.warning("%s: %g requests/s refused by the full queue; higher rates skipped", name, rate)
                 record["request_rate_refused"].append({"level": rate, "error": exc.summary})
