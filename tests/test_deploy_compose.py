@@ -1,13 +1,13 @@
-"""docker-compose.yaml and what it builds and mounts, checked by real tools (no Docker engine runs here).
+"""docker-compose.yaml (the CPU default) and docker-compose.gpu.yaml (the GPU override), and what they
+build and mount, checked by real tools without starting anything (tests/test_compose_live.py starts them).
 
 * Rendered by two compose parsers, Debian's docker-compose 1.29.2 and Compose v2.40.3 (the Go
-  implementation behind `docker compose`); both validate the file against the Compose schema.
-* The Triton release is one setting (TRITON_RELEASE, or deploy/compose/triton-24.10.env for 2.51.0),
-  and the Dockerfile installs the pins for that release's Python.
-* The monitoring profile: Prometheus with deploy/prometheus/ (checked by promtool as mounted) and
-  Grafana with the dashboard and its provisioning.
-* The fleet profile: three replicas of `triton` (one GPU each) behind the official HAProxy image with
-  deploy/haproxy/ (checked by `haproxy -c` as mounted).
+  implementation behind `docker compose`); both validate the files against the Compose schema.
+* The CPU default reserves no GPU and builds its images here (deploy/docker/); the GPU override runs NGC's
+  image, whose Triton release is one setting (TRITON_RELEASE, or deploy/compose/triton-24.10.env for
+  2.51.0), and its Dockerfile installs the pins for that release's Python.
+* Monitoring: Prometheus with deploy/prometheus/ (promtool as mounted), Grafana with the dashboard.
+* Fleet: three replicas of `triton` behind HAProxy with deploy/haproxy/ (`haproxy -c` as mounted).
 
 Cross-checks with Kubernetes and the release's flags: tests/test_deploy_release.py. The tools are
 installed by scripts/setup_deploy_tools.sh (run by `make setup`); a missing tool fails.
@@ -33,9 +33,10 @@ from resnet18_kit.observe.model_config import config_parameters, instance_count,
 SHIPPED = ModelRepository(REPO_ROOT / "model_repository")
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yaml"
+GPU_OVERRIDE = REPO_ROOT / "docker-compose.gpu.yaml"
 DEPLOY = REPO_ROOT / "deploy"
-DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
-IMAGE_REQUIREMENTS = DEPLOY / "docker" / "requirements-image.txt"
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile.gpu"
+IMAGE_REQUIREMENTS = DEPLOY / "docker" / "requirements-gpu.txt"
 RELEASE_24_10_ENV = DEPLOY / "compose" / "triton-24.10.env"
 #: The default NGC release (Triton 2.72.0) and the embedded server's (Triton 2.51.0), with the Python of each image.
 DEFAULT_RELEASE, PARITY_RELEASE = "26.08", "24.10"
@@ -71,18 +72,21 @@ def compose_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def compose_config(parser: str, env_file: Path | None = None, profiles=PROFILES,
+def compose_config(parser: str, env_file: Path | None = None, profiles=PROFILES, gpu: bool = True,
                    **env: str) -> subprocess.CompletedProcess:
-    cmd = [tool(COMPOSE_PARSERS[parser]), "-f", str(COMPOSE_FILE), "--project-directory", str(REPO_ROOT)]
+    """`config` with the GPU override (most checks here are of the GPU deployment), or of the CPU default."""
+    cmd = [tool(COMPOSE_PARSERS[parser]), "-f", str(COMPOSE_FILE)] + (["-f", str(GPU_OVERRIDE)] if gpu else [])
+    cmd += ["--project-directory", str(REPO_ROOT)]
+    profiles = profiles if gpu else tuple(p for p in profiles if p != "perf")
     cmd += ["--env-file", str(env_file)] if env_file else []
     for profile in profiles:
         cmd += ["--profile", profile]
     return run(cmd + ["config"], env=compose_env(**env))
 
 
-def rendered_compose(parser: str, env_file: Path | None = None, **env: str) -> dict:
+def rendered_compose(parser: str, env_file: Path | None = None, gpu: bool = True, **env: str) -> dict:
     """The whole rendered file (services, volumes) with every profile's services."""
-    result = compose_config(parser, env_file, TRITON_ADMIN_KEY=ADMIN_KEY, **env)
+    result = compose_config(parser, env_file, gpu=gpu, TRITON_ADMIN_KEY=ADMIN_KEY, **env)
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
 
@@ -208,7 +212,7 @@ def test_the_triton_release_is_one_setting(compose_parser, release):
     else:
         services = rendered_compose(compose_parser, TRITON_RELEASE=release)["services"]
     assert release_images(services) == {
-        "check-artifacts": f"nvcr.io/nvidia/tritonserver:{release}-py3",
+        "check-artifacts": f"triton-resnet18:{release}",  # the built image, its shell runs the check
         "perf": f"nvcr.io/nvidia/tritonserver:{release}-py3-sdk",
         "triton": f"triton-resnet18:{release}",
         "build arg": release,
@@ -227,7 +231,7 @@ def test_dockerfile_builds_on_the_release_with_pins_for_its_python():
     (default,) = re.findall(r"^ARG TRITON_RELEASE=(\S+)$", text, re.M)
     assert default == DEFAULT_RELEASE
     assert re.findall(r"^FROM (\S+)", text, re.M) == ["nvcr.io/nvidia/tritonserver:${TRITON_RELEASE}-py3"]
-    assert re.search(r"^COPY deploy/docker/requirements-image\.txt ", text, re.M) and re.search(r"^USER triton-server$", text, re.M)
+    assert re.search(r"^COPY deploy/docker/requirements-gpu\.txt ", text, re.M) and re.search(r"^USER triton-server$", text, re.M)
     lines = [line.split("#")[0].strip() for line in IMAGE_REQUIREMENTS.read_text().splitlines()]
     requirements = [Requirement(line) for line in lines if line]
 
@@ -264,16 +268,17 @@ def test_shm_covers_the_python_backend_stubs(compose):
     assert to_bytes(compose["triton"]["shm_size"]) >= needed
 
 
-# ---------------------------------------------------------------------------------------------------
 # The monitoring profile
-
-
 def test_monitoring_services_only_with_their_profile(compose, compose_parser):
     for name in ("prometheus", "grafana"):
         service = compose[name]
         assert service["profiles"] == ["monitoring"], name
-        image, _, tag = service["image"].partition(":")
-        assert image in ("prom/prometheus", "grafana/grafana") and re.fullmatch(r"v?\d+\.\d+\.\d+", tag), service["image"]
+    # Prometheus is built here from Debian's package (deploy/docker/prometheus.Dockerfile); Grafana is the
+    # official image, pinned to a release.
+    assert compose["prometheus"]["image"] == "triton-resnet18-prometheus:2"
+    assert compose["prometheus"]["build"]["dockerfile"].endswith("prometheus.Dockerfile")
+    image, _, tag = compose["grafana"]["image"].partition(":")
+    assert image == "grafana/grafana" and re.fullmatch(r"\d+\.\d+\.\d+", tag), compose["grafana"]["image"]
     assert ports(compose["prometheus"]) == {("127.0.0.1", 9090, 9090)}
     assert ports(compose["grafana"]) == {("127.0.0.1", 3000, 3000)}
     if compose_parser == "compose-2.40":  # 1.29's `config` lists every service whatever the profiles
@@ -329,10 +334,7 @@ def test_grafana_gets_the_dashboard_and_the_prometheus_data_source(compose):
     assert dashboard["uid"] and dashboard["panels"]
 
 
-# ---------------------------------------------------------------------------------------------------
 # The fleet profile
-
-
 def test_fleet_replicas_are_triton_on_a_gpu_each_and_publish_nothing(compose):
     triton = compose["triton"]
     gpus = []
@@ -352,12 +354,13 @@ def test_fleet_replicas_are_triton_on_a_gpu_each_and_publish_nothing(compose):
 def test_fleet_haproxy_mounts_the_policy_and_the_servers_and_publishes_the_front_ends(compose):
     haproxy = compose["haproxy"]
     assert haproxy["profiles"] == ["fleet"]
-    image, _, tag = haproxy["image"].partition(":")
-    assert image == "haproxy" and re.fullmatch(r"2\.6\.\d+", tag), haproxy["image"]
-    policy = mounted_source(haproxy, "/usr/local/etc/haproxy/haproxy.cfg")
-    servers = mounted_source(haproxy, "/usr/local/etc/haproxy/servers.cfg")
+    # Debian's HAProxy 2.6, the one `resnet18-kit fleet` runs (deploy/docker/haproxy.Dockerfile).
+    assert haproxy["image"] == "triton-resnet18-haproxy:2.6"
+    assert haproxy["build"]["dockerfile"].endswith("haproxy.Dockerfile")
+    policy = mounted_source(haproxy, "/etc/haproxy/haproxy.cfg")
+    servers = mounted_source(haproxy, "/etc/haproxy/servers.cfg")
     assert (policy, servers) == (HAPROXY_POLICY, HAPROXY_COMPOSE_SERVERS)
-    assert haproxy["command"] == ["-f", "/usr/local/etc/haproxy/haproxy.cfg", "-f", "/usr/local/etc/haproxy/servers.cfg"]
+    assert haproxy["command"] == ["-f", "/etc/haproxy/haproxy.cfg", "-f", "/etc/haproxy/servers.cfg"]
     assert ports(haproxy) == {("127.0.0.1", 8000, 8000), ("127.0.0.1", 8001, 8001)}
     assert {k: haproxy["environment"][k] for k in HAPROXY_ENV if k != "FLEET_RUNTIME_SOCKET"} == {
         "FLEET_HTTP_BIND": ":8000", "FLEET_GRPC_BIND": ":8001"}
@@ -396,3 +399,4 @@ def test_haproxy_check_catches_a_broken_servers_file(tmp_path):
     broken.write_text(HAPROXY_COMPOSE_SERVERS.read_text().replace("check-proto h1", "check-proto h9"))
     result = haproxy_check(HAPROXY_POLICY, broken)
     assert result.returncode != 0 and "h9" in result.stdout + result.stderr
+

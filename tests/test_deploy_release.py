@@ -34,6 +34,8 @@ SHIPPED = ModelRepository(REPO_ROOT / "model_repository")
 
 DEPLOY = REPO_ROOT / "deploy"
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yaml"
+#: The GPU deployment (NGC image) is docker-compose.yaml with this override; it is what runs a release.
+GPU_OVERRIDE = REPO_ROOT / "docker-compose.gpu.yaml"
 FLAG_LISTS = DEPLOY / "triton"
 #: NGC release -> (Triton version, how compose selects it, the Kubernetes overlay that runs it).
 RELEASES = {
@@ -68,7 +70,8 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Complet
 def compose_services(parser: str, release: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "COMPOSE_"))}
     env_file = RELEASES[release][1]
-    cmd = [tool(COMPOSE_PARSERS[parser]), "-f", str(COMPOSE_FILE), "--project-directory", str(REPO_ROOT)]
+    cmd = [tool(COMPOSE_PARSERS[parser]), "-f", str(COMPOSE_FILE), "-f", str(GPU_OVERRIDE),
+           "--project-directory", str(REPO_ROOT)]
     cmd += ["--env-file", str(env_file)] if env_file else []
     result = run(cmd + ["--profile", "perf", "config"], env={**env, "TRITON_ADMIN_KEY": ADMIN_KEY})
     assert result.returncode == 0, result.stderr

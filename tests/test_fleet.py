@@ -80,6 +80,17 @@ def test_a_killed_replica_leaves_the_pool_and_rejoins(light, tmp_path):
     assert "UP again after nan" not in also, also
 
 
+def test_a_killed_replica_is_replayed_no_error_to_a_plain_client(light, tmp_path):
+    """HAProxy replays what the killed replica held (L7 retries, redispatch): clients that never retry
+    see no error over HTTP or gRPC."""
+    rows = fleet_scenarios.replica_killed(light, tmp_path, replicas=3, retry=False)
+    show(rows)
+    for row in rows:
+        nothing_lost(row)
+        assert row["failed"] == 0 and row["answered"] == row["sent"], row
+    assert "UP again after nan" not in rows[0]["also"], rows[0]
+
+
 def test_a_replica_with_a_dead_stub_is_drained(light, tmp_path):
     rows = fleet_scenarios.stub_killed(light, tmp_path, replicas=3)
     show(rows)

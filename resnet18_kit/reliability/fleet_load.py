@@ -95,13 +95,16 @@ class FleetLoad:
     """`workers` closed-loop senders of `load` to the front end `front` over `protocol` (module doc), until
     stopped or, with `limit`, until `limit` requests were sent (`wait()`). Use as a context manager;
     `tally` holds the counts; `stop()` waits for the requests under way. pause_s: seconds each worker waits
-    between its requests (0: closed loop at full speed)."""
+    between its requests (0: closed loop at full speed). retry=False: a plain client that never retries,
+    whose request ends with its first try (refused, or failed on any error). keep_alive=False: over HTTP
+    every request asks the server to close its connection afterwards (`Connection: close`)."""
 
     def __init__(self, front: ServerConfig, protocol: str, load: TensorLoad, workers: int = 4,
                  deadline_s: float = 30.0, retry_dead_stub: bool = False, pause_s: float = 0.0,
-                 limit: int | None = None):
+                 limit: int | None = None, retry: bool = True, keep_alive: bool = True):
         self.front, self.protocol, self.load, self.workers, self.limit = front, protocol, load, workers, limit
-        self.deadline_s, self.retry_dead_stub, self.pause_s = deadline_s, retry_dead_stub, pause_s
+        self.deadline_s, self.retry_dead_stub, self.pause_s, self.retry = deadline_s, retry_dead_stub, pause_s, retry
+        self.keep_alive = keep_alive
         self.tally = Tally()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -128,7 +131,8 @@ class FleetLoad:
             output = self._module.InferRequestedOutput(self.load.output_name)
             t0 = time.monotonic()
             try:
-                options = {"client_timeout": TRY_TIMEOUT_S} if self.protocol == "grpc" else {}
+                options = ({"client_timeout": TRY_TIMEOUT_S} if self.protocol == "grpc"
+                           else {} if self.keep_alive else {"headers": {"Connection": "close"}})
                 result = client.infer(self.load.model, [request], outputs=[output], request_id=str(index), **options)
                 self._record_try("answered", time.monotonic() - t0)
                 if self.load.expected and not self.load.correct(index, result.as_numpy(self.load.output_name)):
@@ -136,11 +140,15 @@ class FleetLoad:
                     return "failed"
                 return "answered"
             except Exception as exc:  # classified: every try ends in one kind
-                last = try_kind(exc, self.retry_dead_stub)
+                last, message = try_kind(exc, self.retry_dead_stub), f"{type(exc).__name__}: {str(exc)[:200]}"
                 self._record_try(last, time.monotonic() - t0)
                 if last == "error":
-                    self._note(f"request {index}: {type(exc).__name__}: {str(exc)[:200]}")
+                    self._note(f"request {index}: {message}")
                     return "failed"
+            if not self.retry:  # a plain client: the first try's outcome is the request's
+                if last != "refused":
+                    self._note(f"request {index}: {last} (no retry): {message}")
+                return "refused" if last == "refused" else "failed"
             if attempt == 0:
                 with self._lock:
                     self.tally.retried += 1

@@ -151,15 +151,16 @@ class CountWatch:
 
 
 def under_load(fleet: Fleet, load: TensorLoad, action, seconds_before_s: float = 2.0, seconds_after_s: float = 2.0,
-               retry_dead_stub: bool = False) -> tuple[dict, list[Tally], list[float]]:
+               retry_dead_stub: bool = False, retry: bool = True) -> tuple[dict, list[Tally], list[float]]:
     """Run `action(fleet)` (its return value first in the result) while HTTP (one connection) and gRPC
-    (four calls on one channel) load runs, from `seconds_before_s` before to `seconds_after_s` after it;
+    (four calls on one channel) load runs (retry=False: plain clients that never retry), from
+    `seconds_before_s` before to `seconds_after_s` after it;
     returns (action's result, [http tally, grpc tally], each replica's share counted by a CountWatch)."""
     front = fleet.config.front.server_config()
     watch = CountWatch(fleet, load.model)
     with watch, ExitStack() as stack:
         loads = [stack.enter_context(FleetLoad(front, p, load, workers=w, retry_dead_stub=retry_dead_stub,
-                                               pause_s=0.002))
+                                               pause_s=0.002, retry=retry))
                  for p, w in (("http", 1), ("grpc", 4))]
         time.sleep(seconds_before_s)
         result = action(fleet)
@@ -202,21 +203,26 @@ def watch_pool(fleet: Fleet, index: int, timeout_s: float = 120.0) -> dict:
     return {"left_s": left, "how": how, "back_s": None}
 
 
-def replica_killed(repository: Path, workdir: Path, replicas: int = 3) -> list[dict]:
-    """SIGKILL one replica's tritonserver under load: when HAProxy's own check takes it out (the fleet's
-    reaction to its supervisor is off here, so the check is what is measured), when it is back (its
-    supervisor restarts it, two good checks), and what the clients saw (they retry 502/503/UNAVAILABLE)."""
+def replica_killed(repository: Path, workdir: Path, replicas: int = 3, retry: bool = True) -> list[dict]:
+    """SIGKILL one replica (its tritonserver and its gRPC guard, as a crash of its host or container would)
+    under load: when HAProxy's own check takes it out (the fleet's reaction to its supervisor is off here,
+    so the check is what is measured), when it is back (its supervisor restarts both, two good checks),
+    and what the clients saw. HAProxy replays the requests the replica held (deploy/haproxy/haproxy.cfg),
+    so clients that never retry (retry=False) see no error either."""
     def kill(fleet: Fleet) -> dict:
-        fleet.supervisors[1].server.process.kill()
+        server = fleet.supervisors[1].server
+        server.process.kill()
+        if server.guard is not None:
+            server.guard.process.kill()
         return watch_pool(fleet, 1)
 
     with Fleet(fleet_config(repository, workdir, replicas, take_out_on_fault=False)) as fleet:
-        seen, tallies, share = under_load(fleet, identity_load(), kill)
-        retried = sum(t.retried for t in tallies)
+        seen, tallies, share = under_load(fleet, identity_load(), kill, retry=retry)
+        clients = (f"clients retried {sum(t.retried for t in tallies)} requests" if retry
+                   else "plain clients, no retries")
         return both_rows("replica SIGKILLed", fleet, tallies, share,
                          f"out of the pool {seen['left_s'] * 1000:.0f} ms after the kill as {seen['how']} "
-                         f"(check every 500 ms); UP again after {seen['back_s'] or float('nan'):.1f} s; "
-                         f"clients retried {retried} requests")
+                         f"(check every 500 ms); UP again after {seen['back_s'] or float('nan'):.1f} s; {clients}")
 
 
 def stub_killed(repository: Path, workdir: Path, replicas: int = 3) -> list[dict]:

@@ -38,7 +38,7 @@ import sys
 import threading
 from pathlib import Path
 
-from resnet18_kit.export import ensure_exported
+from resnet18_kit.export import ensure_exported, export_needed
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shown
 from resnet18_kit.server.config import ConfigurationError, ServerConfig, check_ports_free, free_ports
@@ -63,7 +63,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=defaults.grpc_port, help="gRPC port (default 8001)")
     parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
                         help="Prometheus metrics port (default 8002)")
-    parser.add_argument("--model-config-name", help="use <model>/configs/<NAME>.pbtxt where present")
+    parser.add_argument("--model-config-name", help="use <model>/configs/<NAME>.pbtxt where present "
+                                                      "(empty: every model's config.pbtxt)")
     parser.add_argument("--exit-timeout-s", type=int, default=defaults.exit_timeout_s,
                         help="seconds in-flight requests get to finish on shutdown (default 30)")
     parser.add_argument("--log-verbose", type=int, default=0,
@@ -92,7 +93,7 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
     admin_key = environ.get(ADMIN_KEY_ENV) or None
     config = ServerConfig(model_repository=settings.model_repository, host=args.host,
                           http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                          model_config_name=args.model_config_name, exit_timeout_s=args.exit_timeout_s,
+                          model_config_name=args.model_config_name or None, exit_timeout_s=args.exit_timeout_s,
                           log_verbose=args.log_verbose, admin_key=admin_key,
                           triton_grpc_port=free_ports(1)[0] if args.grpc_guard else None)
     if not config.loopback_only:
@@ -101,9 +102,10 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
                 f"serve: refusing to listen on {args.host} without an admin key: anyone on the network could "
                 f"load and unload models and register shared memory. Set {ADMIN_KEY_ENV} (e.g. "
                 f"`export {ADMIN_KEY_ENV}=$(openssl rand -hex 16)`) and run again.")
-        print(f"serve: WARNING: listening on {args.host}: the server is reachable from other machines; "
-              f"{', '.join(RESTRICTED_APIS)} need the header '{ADMIN_HEADER}' (key from ${ADMIN_KEY_ENV}). "
-              f"Inference is open and unencrypted: put a TLS proxy in front.", file=sys.stderr)
+        if not getattr(args, "check", False):  # --check says only what is wrong, or that all is well
+            print(f"serve: WARNING: listening on {args.host}: the server is reachable from other machines; "
+                  f"{', '.join(RESTRICTED_APIS)} need the header '{ADMIN_HEADER}' (key from ${ADMIN_KEY_ENV}). "
+                  f"Inference is open and unencrypted: put a TLS proxy in front.", file=sys.stderr)
     elif admin_key:
         print(f"serve: {', '.join(RESTRICTED_APIS)} need the header '{ADMIN_HEADER}' "
               f"(key from ${ADMIN_KEY_ENV})", file=sys.stderr)
@@ -152,6 +154,15 @@ def prepared_server_config(settings: Settings, args: argparse.Namespace, command
     config = checked_server_config(settings, args, command)
     if config is None:
         return None
+    if not getattr(args, "export", True):
+        reason = export_needed(settings.repository)
+        if reason:
+            missing = ", ".join(str(path.relative_to(settings.repository.root)) for path in settings.repository.missing_artifacts()[:3])
+            print(f"{command}: {reason} in {settings.repository.root} ({missing or 'outdated'}); run "
+                  "`make export` (resnet18-kit export) on the model repository first; nothing was started",
+                  file=sys.stderr)
+            return None
+        return config
     try:
         ensure_exported(settings.repository)
     except subprocess.CalledProcessError as exc:
@@ -166,6 +177,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=SupervisorPolicy.max_restarts,
                         help="restarts allowed within 10 minutes before giving up (default 5; 0: never "
                              "restart, exit 1 on the first fault)")
+    parser.add_argument("--export", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the export first when model files are missing (default: on; --no-export: "
+                             "exit 2 naming the missing file instead, as the container image does with its "
+                             "model repository mounted read-only)")
+    parser.add_argument("--check", action="store_true",
+                        help="check the settings (address and admin key, config name, ports) and the model "
+                             "files, say so and exit 0 without serving (exit 2 and one line otherwise)")
     parser.add_argument("--server-log", type=Path,
                         help=f"tritonserver's full log, emptied at start (default <results>/{SERVER_LOG_NAME})")
 
@@ -177,6 +195,10 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     config = prepared_server_config(settings, args)
     if config is None:
         return 2
+    if args.check:
+        print(f"serve: settings and model files of {settings.repository.root} checked; not serving (--check)",
+              file=sys.stderr)
+        return 0
 
     def on_signal(signum, effect: str) -> None:  # called from the main loop (SignalStop.poll), not a handler
         if effect == "stop":

@@ -1,0 +1,346 @@
+"""docker-compose.yaml for real: the CPU images built from PyPI's wheels, the stack started, loaded, stopped,
+crashed and broken on a Docker engine, every request accounted for.
+
+The engine is the user's (DOCKER_HOST, or Docker's default socket) when one answers, else a private
+dockerd of the checkout (resnet18_kit/containers/engine.py: its own socket, data root, exec root and
+pidfile; its image cache in build/docker/ survives between runs), stopped by its pid at the end. Every
+project here has its own name and free ports on 127.0.0.1, and `down` removes it. The figures (time to
+healthy, counts, times back) are printed: `pytest -s tests/test_compose_live.py` shows them.
+
+Clients here never retry (FleetLoad(retry=False)): each request's first try is its outcome.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.containers.__main__ import private_engine
+from resnet18_kit.containers.compose import ComposePorts, ComposeProject
+from resnet18_kit.containers.engine import Engine, users_engine
+from resnet18_kit.containers.image import IMAGE_TORCH, IMAGES, ImageBuild
+from resnet18_kit.contract import ENSEMBLE_MODEL, REPO_ROOT
+from resnet18_kit.reliability.fleet_load import FleetLoad, Tally
+from resnet18_kit.reliability.loads import ensemble_load, onnx_load, reference_answers
+
+ADMIN_KEY = "compose-test-admin-key"
+#: docker-compose.yaml's stop_grace_period for Triton.
+GRACE_S = 40.0
+#: Seconds a replica or container may take to come back after its process was killed.
+BACK_WITHIN_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The user's engine, else the checkout's private dockerd (stopped at the end, nothing left)."""
+    users = users_engine()
+    if users is not None:
+        yield users
+        return
+    private = private_engine()
+    started_here = private.pid() is None
+    yield private.start()
+    if started_here:
+        assert private.stop()
+        assert private.pid() is None and not private.run_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def images(engine):
+    """The three CPU images (cached by the engine: seconds when nothing changed)."""
+    report = ImageBuild(engine, REPO_ROOT, names=tuple(IMAGES)).run()
+    print("\n" + "\n".join(f"image build: {line}" for line in report.lines()), flush=True)
+    return report
+
+
+def new_project(engine, tag: str, **options) -> ComposeProject:
+    return ComposeProject(engine, f"r18test-{tag}-{os.getpid()}", ComposePorts.free(), options.pop("admin_key", ADMIN_KEY),
+                          **options)
+
+
+def ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def wait_for(what: str, condition, timeout_s: float, poll_s: float = 0.1) -> float:
+    """Seconds until condition() is true; fails naming `what` after timeout_s."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if condition():
+            return time.monotonic() - start
+        time.sleep(poll_s)
+    pytest.fail(f"not within {timeout_s:.0f} s: {what}")
+
+
+def counts(tally: Tally) -> str:
+    tries = {kind: len(values) for kind, values in sorted(tally.tries.items())}
+    return (f"sent {tally.sent}, answered {tally.answered}, refused {tally.refused}, failed {tally.failed}, "
+            f"lost {tally.lost}; tries {tries}")
+
+
+def crash(project: ComposeProject, service: str) -> None:
+    """SIGKILL the container's main process from the host, as the kernel's OOM killer or a crash would.
+    (`docker kill` counts as a manual stop: Docker then applies no restart policy.)"""
+    os.kill(project.state(service)["Pid"], signal.SIGKILL)
+
+
+def test_the_cpu_default_reserves_no_gpu_and_builds_every_image_it_runs_but_grafana():
+    """Rendered without the GPU override (no engine needed): no device reservation; the Triton, HAProxy and
+    Prometheus images are built here (deploy/docker/) on the BASE_IMAGE build argument, with torch's CPU
+    build; only Grafana comes from a registry. The host ports move together with their settings."""
+    project = ComposeProject(Engine(), "r18static", ComposePorts(18000, 18001, 18002, 19090, 13000), ADMIN_KEY,
+                             profiles=("fleet", "monitoring"))
+    services = yaml.safe_load(project.run("config").stdout)["services"]
+    assert "perf" not in services
+    for name, service in services.items():
+        assert not service.get("deploy", {}).get("resources", {}).get("reservations"), name
+        if name != "grafana":
+            assert service["build"]["args"]["BASE_IMAGE"] == "debian:bookworm-slim", name
+    for name in ("check-artifacts", "triton", "triton-1", "triton-2", "triton-3"):
+        assert services[name]["image"] == IMAGES["triton"][0], name
+        assert services[name]["build"]["dockerfile"].endswith(IMAGES["triton"][1]), name
+    assert services["haproxy"]["image"] == IMAGES["haproxy"][0]
+    assert services["prometheus"]["image"] == IMAGES["prometheus"][0]
+    assert services["check-artifacts"]["command"][0] == "--check"
+    assert "resnet18_kit.server.probe" in services["triton"]["healthcheck"]["test"]
+    published = {(p["host_ip"], int(p["published"]), p["target"]) for p in services["triton"]["ports"]}
+    assert published == {("127.0.0.1", 18000, 8000), ("127.0.0.1", 18001, 8001), ("127.0.0.1", 18002, 8002)}
+    cpu = (REPO_ROOT / IMAGES["triton"][1]).read_text()
+    assert re.search(r"^ARG BASE_IMAGE=debian:bookworm-slim$", cpu, re.M)
+    assert re.search(r'^ENTRYPOINT \["resnet18-kit", "serve", "--host", "0.0.0.0", "--no-export"\]$', cpu, re.M)
+    pins = dict(line.split("==", 1) for line in (REPO_ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert IMAGE_TORCH.startswith("torch==") and IMAGE_TORCH.endswith("+cpu") and pins["torch"] not in IMAGE_TORCH
+
+
+@pytest.fixture(scope="module")
+def single(engine, images):
+    """`docker compose up --wait` of the default services (check-artifacts, triton) on free ports."""
+    project = new_project(engine, "single")
+    project.up_s = project.timed_up()
+    print(f"\ncompose up --wait: healthy in {project.up_s:.1f} s", flush=True)
+    yield project
+    project.down()
+
+
+def test_up_wait_is_healthy_and_classifies_like_the_embedded_server(single, triton_server):
+    assert single.state("triton")["Health"]["Status"] == "healthy"
+    assert single.state("check-artifacts")["ExitCode"] == 0
+    photos = [path.read_bytes() for path in sample_photos()]
+    with TritonClassifierClient(triton_server.config.http_url) as embedded:
+        expected = [top[0].label for top in embedded.classify(photos, top_k=1)]
+    config = single.server_config()
+    for protocol, url in (("http", config.http_url), ("grpc", config.grpc_url)):
+        with TritonClassifierClient(url, protocol=protocol) as client:
+            assert [top[0].label for top in client.classify(photos, top_k=1)] == expected, protocol
+    with urllib.request.urlopen(config.metrics_url, timeout=5) as response:
+        metrics = response.read().decode()
+    served = re.search(rf'^nv_inference_request_success{{model="{ENSEMBLE_MODEL}",version="1"}} (\d+)', metrics, re.M)
+    assert served and int(served.group(1)) >= 2, metrics[:2000]  # these two requests, and the health probe's
+
+
+def test_a_crashed_container_is_restarted_and_fails_requests_only_while_down(single):
+    config = single.server_config()
+    load = FleetLoad(config, "http", reference_answers(config, onnx_load(4)), workers=4, retry=False).start()
+    time.sleep(2.0)
+    crash(single, "triton")
+    killed_at = time.monotonic()
+    wait_for("the endpoint refuses (container down)", lambda: not ready(config.http_url), 10, 0.02)
+    wait_for("the restarted container is ready", lambda: ready(config.http_url), BACK_WITHIN_S)
+    back_s = time.monotonic() - killed_at
+    time.sleep(2.0)
+    during = load.stop()
+    after = FleetLoad(config, "http", reference_answers(config, onnx_load(4)), workers=4, retry=False, limit=40)
+    after = after.start().wait(120)
+    print(f"\ncrash under load: back {back_s:.1f} s after the kill; during: {counts(during)}; "
+          f"after: {counts(after)}", flush=True)
+    assert during.lost == 0 and after.lost == 0
+    assert during.answered > 0 and set(during.tries) <= {"answered", "unavailable"}, during.errors
+    assert after.answered == after.sent == 40, after.errors
+    assert single.state("triton")["Restarting"] is False and single.state("triton")["Running"]
+
+
+def stop_under_load(project: ComposeProject, loads: dict[str, FleetLoad]) -> tuple[float, dict, dict[str, Tally], dict]:
+    """`docker compose stop triton` 2 s into `loads`: seconds it took, the container's State, each load's
+    tally, and how many each answered after the stop began."""
+    for load in loads.values():
+        load.start()
+    time.sleep(2.0)
+    before = {name: load.tally.answered for name, load in loads.items()}
+    start = time.monotonic()
+    project.run("stop", "triton")
+    stop_s = time.monotonic() - start
+    tallies = {name: load.stop() for name, load in loads.items()}
+    after = {name: tallies[name].answered - before[name] for name in loads}
+    return stop_s, project.state("triton"), tallies, after
+
+
+def test_stop_under_load_finishes_what_is_in_flight_refuses_the_rest_and_loses_nothing(single):
+    """gRPC clients (through the guard) and HTTP clients that close their connection after each request:
+    what was accepted is answered, what comes later is refused before it runs, the container exits 0."""
+    config = single.server_config()
+    loads = {"grpc": FleetLoad(config, "grpc", reference_answers(config, onnx_load(4)), workers=3, retry=False),
+             "http": FleetLoad(config, "http", reference_answers(config, onnx_load(4)), workers=3, retry=False,
+                               keep_alive=False)}
+    stop_s, state, tallies, after = stop_under_load(single, loads)
+    for name, tally in tallies.items():
+        print(f"\ncompose stop under load ({name}): stopped in {stop_s:.1f} s, exit {state['ExitCode']}; "
+              f"{after[name]} answered after the stop began; {counts(tally)}", flush=True)
+        assert tally.lost == 0
+        # After the stop began a request is answered, or refused before it ran: the connection is refused,
+        # the guard answers UNAVAILABLE, or Triton says the model no longer takes requests.
+        assert set(tally.tries) <= {"answered", "unavailable", "refused"} or all(
+            any(word in e for word in ("not ready", "stopping", "no available versions", "unavailable"))
+            for e in tally.errors), tally.errors
+    assert state["Status"] == "exited" and state["ExitCode"] == 0, state
+    assert stop_s < GRACE_S
+
+
+def test_triton_251_keeps_serving_keep_alive_http_until_its_exit_timeout_then_drops_what_it_holds(engine, images,
+                                                                                                 tmp_path):
+    """Triton 2.51 defect, reproduced (docs/deployment.md "Stopping under load"): after SIGTERM it serves
+    requests on HTTP connections that stay open (keep-alive) until the exit timeout, then exits at once,
+    status 1, abandoning the inferences it holds. The exit timeout here is 5 s (the compose file's: 30 s)."""
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump({"services": {"triton": {"command": ["--exit-timeout-s=5"]}}}))
+    project = new_project(engine, "keepalive", extra_files=(override,))
+    try:
+        project.timed_up()
+        config = project.server_config()
+        loads = {"http keep-alive": FleetLoad(config, "http", reference_answers(config, onnx_load(4)), workers=3,
+                                              retry=False)}
+        stop_s, state, tallies, after = stop_under_load(project, loads)
+        tally = tallies["http keep-alive"]
+        print(f"\ncompose stop under keep-alive HTTP load: stopped in {stop_s:.1f} s, exit {state['ExitCode']}; "
+              f"{after['http keep-alive']} answered after the stop began; {counts(tally)}", flush=True)
+        assert after["http keep-alive"] > 0  # served on open connections during the exit timeout
+        assert stop_s >= 5.0 and state["ExitCode"] != 0  # then "Exit timeout expired. Exiting immediately."
+        assert tally.lost == 0
+    finally:
+        project.down()
+
+
+def test_down_leaves_no_container_network_or_volume(single):
+    single.down()
+    assert single.resources() == {"container": [], "network": [], "volume": []}
+
+
+def test_no_admin_key_is_one_line(engine, images):
+    project = new_project(engine, "nokey", admin_key=None)
+    result = project.run("up", "--wait", check=False)
+    assert result.returncode != 0
+    assert "set TRITON_ADMIN_KEY" in result.stderr.strip().splitlines()[-1], result.stderr
+    assert project.resources() == {"container": [], "network": [], "volume": []}
+
+
+def test_missing_model_files_are_named(engine, images, tmp_path):
+    repository = tmp_path / "model_repository"
+    shutil.copytree(REPO_ROOT / "model_repository", repository, symlinks=True,
+                    ignore=shutil.ignore_patterns("*.onnx", "*.pt", "provenance.json", "warmup", "__pycache__"))
+    project = new_project(engine, "nofiles", settings={"TRITON_MODEL_REPOSITORY": str(repository)})
+    try:
+        result = project.run("up", "--wait", check=False)
+        assert result.returncode != 0
+        assert "check-artifacts" in result.stderr and "exit 2" in result.stderr.lower(), result.stderr
+        logs = project.run("logs", "--no-log-prefix", "check-artifacts").stdout.strip().splitlines()
+        assert len(logs) == 1 and "model files missing" in logs[0] and "model.onnx" in logs[0], logs
+        assert "triton" not in " ".join(project.run("ps", "-q", "triton").stdout.split())
+    finally:
+        project.down()
+
+
+def test_a_taken_port_is_named(engine, images):
+    project = new_project(engine, "port")
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", project.ports.http))
+    holder.listen()
+    try:
+        result = project.run("up", "--wait", check=False)
+        assert result.returncode != 0
+        assert str(project.ports.http) in result.stderr.strip().splitlines()[-1], result.stderr
+    finally:
+        holder.close()
+        project.down()
+
+
+def test_fleet_replays_what_a_killed_replica_held_no_error_to_a_plain_client(engine, images):
+    project = new_project(engine, "fleet", profiles=("fleet",))
+    try:
+        up_s = project.timed_up("haproxy")
+        front = project.server_config()
+        loads = {protocol: FleetLoad(front, protocol, reference_answers(front, load), workers=4, retry=False)
+                 for protocol, load in (("http", onnx_load(4)), ("grpc", ensemble_load()))}
+        for load in loads.values():
+            load.start()
+        time.sleep(3.0)
+        crash(project, "triton-2")
+        killed_at = time.monotonic()
+        wait_for("triton-2 restarted", lambda: project.restart_count("triton-2") >= 1, 30, 0.1)
+        wait_for("triton-2 healthy again", lambda: project.state("triton-2")["Health"]["Status"] == "healthy",
+                 BACK_WITHIN_S, 0.2)
+        back_s = time.monotonic() - killed_at
+        time.sleep(2.0)
+        for protocol, load in loads.items():
+            tally = load.stop()
+            print(f"\ncompose fleet, triton-2 killed ({protocol}, no retries): up in {up_s:.1f} s; replica healthy "
+                  f"again {back_s:.1f} s after the kill; {counts(tally)}", flush=True)
+            assert tally.failed == 0 and tally.lost == 0, tally.errors
+            assert tally.answered == tally.sent - tally.refused > 0
+    finally:
+        project.down()
+
+
+def test_monitoring_profile_scrapes_triton_and_the_queue_alert_fires(engine, images, tmp_path):
+    """Prometheus in its container scrapes the Triton container; under a flood the overload alert fires.
+    The test's copy of the shipped config scrapes and evaluates every second, its rules hold `for:` 3 s."""
+    config = yaml.safe_load((REPO_ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    rules = yaml.safe_load((REPO_ROOT / "deploy/prometheus/rules/triton.rules.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.update({"for": "3s"} if "for" in rule else {})
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "rules" / "triton.rules.yml").write_text(yaml.safe_dump(rules))
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump({"services": {"prometheus": {"volumes": [
+        f"{tmp_path / 'prometheus.yml'}:/etc/prometheus/prometheus.yml:ro",
+        f"{tmp_path / 'rules'}:/etc/prometheus/rules:ro"]}}}))
+    project = new_project(engine, "monitoring", profiles=("monitoring",), extra_files=(override,))
+    try:
+        project.timed_up("triton", "prometheus")
+        api = f"http://127.0.0.1:{project.ports.prometheus}/api/v1"
+
+        def get(path: str) -> dict:
+            with urllib.request.urlopen(f"{api}/{path}", timeout=5) as response:
+                return yaml.safe_load(response.read())["data"]
+
+        wait_for("Prometheus scrapes the Triton container", lambda: any(
+            t["labels"]["job"] == "triton" and t["health"] == "up" for t in get("targets")["activeTargets"]), 60, 0.5)
+        front = project.server_config()
+        flood = FleetLoad(front, "grpc", onnx_load(4), workers=96).start()
+        try:
+            firing_s = wait_for("TritonModelQueueNearlyFull firing", lambda: any(
+                a["labels"]["alertname"] == "TritonModelQueueNearlyFull" and a["state"] == "firing"
+                for a in get("alerts")["alerts"]), 120, 0.5)
+        finally:
+            tally = flood.stop()
+        print(f"\ncompose monitoring: the queue alert fired {firing_s:.1f} s into a flood of 96 gRPC clients; "
+              f"{counts(tally)}", flush=True)
+        assert tally.lost == 0
+    finally:
+        project.down()
