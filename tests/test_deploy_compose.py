@@ -58,9 +58,7 @@ PROFILES = ("perf", "monitoring", "fleet")
 
 
 def tool(path: Path) -> str:
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        pytest.fail(f"{path} is missing: {SETUP_HINT}")
-    return str(path)
+    return str(path) if path.is_file() and os.access(path, os.X_OK) else pytest.fail(f"{path} is missing: {SETUP_HINT}")
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -68,8 +66,7 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 def compose_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "COMPOSE_", "GRAFANA_"))}
-    return {**env, **extra}
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "COMPOSE_", "GRAFANA_"))}, **extra}
 
 
 def compose_config(parser: str, env_file: Path | None = None, profiles=PROFILES, gpu: bool = True,
@@ -275,7 +272,7 @@ def test_monitoring_services_only_with_their_profile(compose, compose_parser):
         assert service["profiles"] == ["monitoring"], name
     # Prometheus is built here from Debian's package (deploy/docker/prometheus.Dockerfile); Grafana is the
     # official image, pinned to a release.
-    assert compose["prometheus"]["image"] == "triton-resnet18-prometheus:2"
+    assert compose["prometheus"]["image"] == "triton-resnet18:prometheus-2"
     assert compose["prometheus"]["build"]["dockerfile"].endswith("prometheus.Dockerfile")
     image, _, tag = compose["grafana"]["image"].partition(":")
     assert image == "grafana/grafana" and re.fullmatch(r"\d+\.\d+\.\d+", tag), compose["grafana"]["image"]
@@ -355,7 +352,7 @@ def test_fleet_haproxy_mounts_the_policy_and_the_servers_and_publishes_the_front
     haproxy = compose["haproxy"]
     assert haproxy["profiles"] == ["fleet"]
     # Debian's HAProxy 2.6, the one `resnet18-kit fleet` runs (deploy/docker/haproxy.Dockerfile).
-    assert haproxy["image"] == "triton-resnet18-haproxy:2.6"
+    assert haproxy["image"] == "triton-resnet18:haproxy-2.6"
     assert haproxy["build"]["dockerfile"].endswith("haproxy.Dockerfile")
     policy = mounted_source(haproxy, "/etc/haproxy/haproxy.cfg")
     servers = mounted_source(haproxy, "/etc/haproxy/servers.cfg")

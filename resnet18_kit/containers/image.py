@@ -2,13 +2,13 @@
 
     triton-resnet18:cpu        deploy/docker/Dockerfile: `resnet18-kit serve` (Triton 2.51 from the
                                nvidia-pytriton wheel) with the models' runtimes, installed from build/wheelhouse
-    triton-resnet18-haproxy:2.6   deploy/docker/haproxy.Dockerfile: Debian's HAProxy 2.6 (the fleet profile)
-    triton-resnet18-prometheus:2  deploy/docker/prometheus.Dockerfile: Debian's Prometheus 2.42 (monitoring)
+    triton-resnet18:haproxy-2.6   deploy/docker/haproxy.Dockerfile: Debian's HAProxy 2.6 (the fleet profile)
+    triton-resnet18:prometheus-2  deploy/docker/prometheus.Dockerfile: Debian's Prometheus 2.42 (monitoring)
 
 Steps (ImageBuild.run), each skipped when its output is up to date:
   1. the base: BASE_IMAGE (default debian:bookworm-slim) when the engine has it or can pull it; otherwise,
      as where no registry answers (air-gapped sites), `debootstrap --variant=minbase bookworm` from the
-     Debian mirror apt uses, imported as triton-resnet18-base:bookworm (about 40 s once, 230 MB);
+     Debian mirror apt uses, imported as triton-resnet18:base-bookworm (about 40 s once, 230 MB);
   2. the wheels, with the host's pip (its index, proxy and certificates: pip inside a container has none of
      them): build/wheelhouse/ every wheel of the `server` extra pinned by constraints.txt, torch swapped for
      its CPU build (IMAGE_TORCH); build/kit-wheel/ the kit's own wheel;
@@ -33,7 +33,7 @@ from resnet18_kit.containers.engine import Engine, EngineError, last_line
 #: The base a user with a registry gets (Docker Hub's Debian 12).
 DEFAULT_BASE_IMAGE = "debian:bookworm-slim"
 #: The base made locally with debootstrap when DEFAULT_BASE_IMAGE cannot be had.
-LOCAL_BASE_IMAGE = "triton-resnet18-base:bookworm"
+LOCAL_BASE_IMAGE = "triton-resnet18:base-bookworm"
 #: What the local base holds beyond minbase: the Python the venv and the stubs use, tini.
 LOCAL_BASE_PACKAGES = ("python3", "python3-venv", "libpython3.11", "tini", "ca-certificates")
 #: torch for the image: PyPI's Linux wheels of torch are CUDA builds (several GB with their libraries);
@@ -43,8 +43,8 @@ IMAGE_TORCH = "torch==2.13.0+cpu"
 #: The image each Dockerfile of deploy/docker/ builds (docker-compose.yaml names the same tags).
 IMAGES = {
     "triton": ("triton-resnet18:cpu", "deploy/docker/Dockerfile", False),
-    "haproxy": ("triton-resnet18-haproxy:2.6", "deploy/docker/haproxy.Dockerfile", True),
-    "prometheus": ("triton-resnet18-prometheus:2", "deploy/docker/prometheus.Dockerfile", True),
+    "haproxy": ("triton-resnet18:haproxy-2.6", "deploy/docker/haproxy.Dockerfile", True),
+    "prometheus": ("triton-resnet18:prometheus-2", "deploy/docker/prometheus.Dockerfile", True),
 }
 
 
