@@ -29,14 +29,16 @@ TEST_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     """Fails the run when the suite leaves Python-backend shared-memory regions in /dev/shm that were not
-    there before it, or a tritonserver / stub / haproxy process of its own (set up first, so checked last)."""
+    there before it, or a tritonserver / stub / haproxy / dockerd process of its own (set up first, so checked
+    last)."""
     before = set(python_backend_regions())
     yield
     deadline = time.monotonic() + 10  # a server SIGTERMed by its parent's death may still be draining
     while True:
         regions = sorted(set(python_backend_regions()) - before)
         processes = [argv[0] for _, argv in child_processes(os.getpid())
-                     if argv and any(name in argv[0] for name in ("tritonserver", "triton_python_backend_stub", "haproxy"))]
+                     if argv and any(name in argv[0] for name in ("tritonserver", "triton_python_backend_stub", "haproxy",
+                                                                    "dockerd", "containerd"))]
         if not (regions or processes) or time.monotonic() > deadline:
             break
         time.sleep(0.5)

@@ -94,6 +94,7 @@ class PrivateEngine:
         self.pidfile = self.run_dir / "dockerd.pid"
         self.log_path = self.data_root.parent / "dockerd.log"
         self.engine = Engine(f"unix://{self.socket}", private=True)
+        self._process: subprocess.Popen | None = None
 
     def pid(self) -> int | None:
         """The pid of this engine's dockerd while it runs, else None."""
@@ -124,6 +125,7 @@ class PrivateEngine:
                  "--exec-root", str(self.run_dir / "exec"), "--pidfile", str(self.pidfile),
                  "--bridge=none", "--iptables=false", "--ip6tables=false", "--log-level=warn"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        self._process = process
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -146,8 +148,21 @@ class PrivateEngine:
                 time.sleep(0.1)
             if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+            if self._process is not None and self._process.pid == pid:
+                self._process.wait(10)  # started by this process: reap it
+        # dockerd leaves its default network namespace bind-mounted in the exec root: unmount what is left.
+        for mount_point in sorted(mounts_under(self.run_dir), reverse=True):
+            subprocess.run(["umount", mount_point], capture_output=True, check=False)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         return pid is not None
+
+
+def mounts_under(folder: Path) -> list[str]:
+    """Mount points at or below `folder` (from /proc/self/mounts)."""
+    prefix = str(folder)
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    return [p for p in points if p == prefix or p.startswith(prefix + "/")]
 
 
 def process_alive(pid: int) -> bool:
