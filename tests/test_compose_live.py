@@ -20,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -29,7 +30,7 @@ from resnet18_kit.containers.__main__ import private_engine
 from resnet18_kit.containers.compose import ComposePorts, ComposeProject
 from resnet18_kit.containers.engine import Engine, users_engine
 from resnet18_kit.containers.image import IMAGE_TORCH, IMAGES, ImageBuild
-from resnet18_kit.contract import ENSEMBLE_MODEL, REPO_ROOT
+from resnet18_kit.contract import ENSEMBLE_MODEL, REPO_ROOT, TORCHSCRIPT_MODEL
 from resnet18_kit.reliability.fleet_load import FleetLoad, Tally
 from resnet18_kit.reliability.loads import ensemble_load, onnx_load, reference_answers
 
@@ -150,10 +151,17 @@ def test_up_wait_is_healthy_and_classifies_like_the_embedded_server(single, trit
     photos = [path.read_bytes() for path in sample_photos()]
     with TritonClassifierClient(triton_server.config.http_url) as embedded:
         expected = [top[0].label for top in embedded.classify(photos, top_k=1)]
+    batch = np.random.default_rng(0).standard_normal((2, 3, 224, 224), dtype=np.float32)
+    with TritonClassifierClient(triton_server.config.http_url) as embedded:
+        expected_logits = embedded.infer_tensor(batch, model=TORCHSCRIPT_MODEL)
     config = single.server_config()
     for protocol, url in (("http", config.http_url), ("grpc", config.grpc_url)):
         with TritonClassifierClient(url, protocol=protocol) as client:
             assert [top[0].label for top in client.classify(photos, top_k=1)] == expected, protocol
+    # TorchScript in the image is torch's CPU build 2.13.0; the embedded server runs constraints.txt's torch.
+    with TritonClassifierClient(config.http_url) as client:
+        np.testing.assert_allclose(client.infer_tensor(batch, model=TORCHSCRIPT_MODEL), expected_logits,
+                                   rtol=1e-4, atol=1e-4)
     with urllib.request.urlopen(config.metrics_url, timeout=5) as response:
         metrics = response.read().decode()
     served = re.search(rf'^nv_inference_request_success{{model="{ENSEMBLE_MODEL}",version="1"}} (\d+)', metrics, re.M)
