@@ -57,6 +57,7 @@ class ComposePorts:
         return cls(*free_ports(5))
 
     def environment(self) -> dict[str, str]:
+        """The compose file's port settings: {"TRITON_HTTP_PORT": "8000", ...}."""
         return {"TRITON_HTTP_PORT": str(self.http), "TRITON_GRPC_PORT": str(self.grpc),
                 "TRITON_METRICS_PORT": str(self.metrics), "PROMETHEUS_PORT": str(self.prometheus),
                 "GRAFANA_PORT": str(self.grafana)}
@@ -80,6 +81,7 @@ class ComposeProject:
         self.env = env
 
     def command(self, *args: str) -> list[str]:
+        """The argv of `docker compose <args>` for this project (name, files, profiles)."""
         cmd = [*compose_command(), "-p", self.name, "--project-directory", str(REPO_ROOT)]
         for path in self.files:
             cmd += ["-f", str(path)]

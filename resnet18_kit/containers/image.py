@@ -93,6 +93,7 @@ class ImageBuild:
         return result
 
     def has_image(self, name: str) -> bool:
+        """True when the engine holds the image `name` (name:tag)."""
         return self.engine.docker("image", "inspect", name, check=False).returncode == 0
 
     def base(self) -> str:
