@@ -50,17 +50,19 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     del settings  # the images are built from this checkout, whatever the model repository
     if args.docker_command == "engine":
         return engine_command(args.action)
-    unknown = [p for p in filter(None, args.profiles.split(",")) if p not in PROFILE_IMAGES]
+    profiles = [p for p in args.profiles.split(",") if p]
+    unknown = [p for p in profiles if p not in PROFILE_IMAGES]
     if unknown:
         print(f"docker image: --with {','.join(unknown)}: not a profile with images of its own "
               f"(known: {', '.join(PROFILE_IMAGES)})", file=sys.stderr)
         return 2
-    engine = users_engine() or (private_engine().engine if private_engine().pid() else None)
+    private = private_engine()
+    engine = users_engine() or (private.engine if private.pid() else None)
     if engine is None:
         print("docker image: no Docker engine answers: start Docker, set DOCKER_HOST, or run "
               "`resnet18-kit docker engine start`", file=sys.stderr)
         return 2
-    names = ("triton", *(PROFILE_IMAGES[p] for p in filter(None, args.profiles.split(","))))
+    names = ("triton", *(PROFILE_IMAGES[p] for p in profiles))
     try:
         report = ImageBuild(engine, REPO_ROOT, args.base_image, names,
                             log=lambda line: print(line, file=sys.stderr)).run()

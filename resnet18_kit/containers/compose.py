@@ -22,9 +22,8 @@ from resnet18_kit.containers.engine import Engine, EngineError, last_line
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.server.config import ServerConfig, free_ports
 
-#: The compose file of the CPU deployment; docker-compose.gpu.yaml is the GPU override.
+#: The compose file of the CPU deployment (docker-compose.gpu.yaml, the GPU override, goes in extra_files).
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yaml"
-GPU_OVERRIDE = REPO_ROOT / "docker-compose.gpu.yaml"
 #: Where the docker compose CLI plugin may be (Compose v2 in the venv, as the set-up installs it).
 VENV_COMPOSE = Path(sys.executable).parent / "docker-compose-v2"
 
@@ -127,10 +126,9 @@ class ComposeProject:
     def resources(self) -> dict[str, list[str]]:
         """What the engine holds of this project: containers, networks, volumes (names)."""
         label = f"label=com.docker.compose.project={self.name}"
-        return {kind: self.engine.docker(kind, "ls", "-q" if kind == "container" else "--quiet",
-                                         *(["--all"] if kind == "container" else []), "--filter", label
-                                         ).stdout.split()
-                for kind in ("container", "network", "volume")}
+        listed = {"container": ("--all",), "network": (), "volume": ()}  # --all: stopped containers too
+        return {kind: self.engine.docker(kind, "ls", "-q", *extra, "--filter", label).stdout.split()
+                for kind, extra in listed.items()}
 
     def down(self, timeout_s: float = 120.0) -> None:
         """`down --volumes --remove-orphans`: nothing of the project is left."""

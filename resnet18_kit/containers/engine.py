@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from resnet18_kit.observe.processes import process_alive
+
 #: The environment variable that points the docker CLI (and compose) at an engine.
 DOCKER_HOST_ENV = "DOCKER_HOST"
 
@@ -100,10 +102,9 @@ class PrivateEngine:
         """The pid of this engine's dockerd while it runs, else None."""
         try:
             pid = int(self.pidfile.read_text().strip())
-            os.kill(pid, 0)
         except (OSError, ValueError):
             return None
-        return pid
+        return pid if process_alive(pid) else None
 
     def start(self, timeout_s: float = 60.0) -> Engine:
         """Start dockerd (or take the one already running on this data root) and wait until it answers.
@@ -164,11 +165,3 @@ def mounts_under(folder: Path) -> list[str]:
         points = [line.split()[1] for line in mounts]
     return [p for p in points if p == prefix or p.startswith(prefix + "/")]
 
-
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -157,7 +157,8 @@ def prepared_server_config(settings: Settings, args: argparse.Namespace, command
     if not getattr(args, "export", True):
         reason = export_needed(settings.repository)
         if reason:
-            missing = ", ".join(str(path.relative_to(settings.repository.root)) for path in settings.repository.missing_artifacts()[:3])
+            root = settings.repository.root
+            missing = ", ".join(str(path.relative_to(root)) for path in settings.repository.missing_artifacts()[:3])
             print(f"{command}: {reason} in {settings.repository.root} ({missing or 'outdated'}); run "
                   "`make export` (resnet18-kit export) on the model repository first; nothing was started",
                   file=sys.stderr)
