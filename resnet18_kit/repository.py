@@ -133,6 +133,14 @@ class ModelRepository:
         pattern = f"{model}/configs/*.pbtxt" if model else "*/configs/*.pbtxt"
         return sorted({DEFAULT_VARIANT, *(path.stem for path in self.root.glob(pattern))})
 
+    def unknown_variant(self, variant: str) -> str | None:
+        """None when `variant` is one of variant_names(), else the one-line problem a command prints for
+        its --variant option."""
+        if variant in self.variant_names():
+            return None
+        return (f"--variant {variant!r}: no configs/{variant}.pbtxt in {self.root} "
+                f"(one of {', '.join(self.variant_names())})")
+
     def model_names(self) -> list[str]:
         """The models of this repository (folders with a config.pbtxt), sorted."""
         return sorted(path.parent.name for path in self.root.glob("*/config.pbtxt"))

@@ -7,6 +7,7 @@
     resnet18-kit bench runtimes          every CPU runtime of the network in-process, speed and agreement
     resnet18-kit bench shared-memory     what system shared memory saves over plain transfer, batch of 32
     resnet18-kit bench stub-profile      where the Python-backend stubs spend their time under load (py-spy)
+    resnet18-kit bench traffic           priority under a bulk flood, the response cache, cancellation
     resnet18-kit bench async-pipeline    an asyncio client pipeline against a running server
 
 `resnet18-kit bench <name> --help` tells each one's options. Every one but async-pipeline starts its own
@@ -28,6 +29,7 @@ SUBCOMMANDS = {
     "runtimes": ("resnet18_kit.bench.runtimes", "every CPU runtime of the network in-process: speed and agreement"),
     "shared-memory": ("resnet18_kit.bench.shared_memory", "system shared memory against plain transfer, batch 32"),
     "stub-profile": ("resnet18_kit.bench.stub_profile", "py-spy samples of the Python-backend stubs under load"),
+    "traffic": ("resnet18_kit.bench.traffic", "priority under a bulk flood, the response cache, cancellation"),
     "async-pipeline": ("resnet18_kit.client.async_pipeline", "an asyncio client pipeline against a running server"),
 }
 

@@ -113,9 +113,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     problem = None
     if repository.missing_artifacts():
         problem = "model files missing: run `resnet18-kit export` first"
-    elif args.variant not in repository.variant_names():
-        problem = (f"--variant {args.variant!r}: no configs/{args.variant}.pbtxt in {repository.root} "
-                   f"(one of {', '.join(repository.variant_names())})")
+    elif repository.unknown_variant(args.variant):
+        problem = repository.unknown_variant(args.variant)
     elif args.served_repository is not None and not (args.served_repository / ONNX_MODEL).is_dir():
         problem = f"--served-repository: no model repository with {ONNX_MODEL} at {args.served_repository}"
     elif args.seconds <= 0 or args.inprocess_s <= 0:

@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from resnet18_kit.client.core import Call, ClientCore, Prediction, Sleep, Steps, advance
+from resnet18_kit.client.errors import RequestCancelledError
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL
 from resnet18_kit.observe.model_config import ModelConfigView
 
@@ -46,6 +47,8 @@ class AsyncTritonClassifierClient(ClientCore):
         loop = asyncio.get_running_loop()
         ends_at = None if call.rpc_timeout_s is None else loop.time() + call.rpc_timeout_s
         request = asyncio.ensure_future(self._client.infer(*call.args, **call.kwargs))
+        if call.cancel is not None:
+            return await self._cancellable(request, call)
         try:
             return await asyncio.wait_for(asyncio.shield(request), call.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:  # the request goes on, unanswered
@@ -54,6 +57,23 @@ class AsyncTritonClassifierClient(ClientCore):
             if isinstance(exc, asyncio.TimeoutError):
                 raise TimeoutError(f"{call.timeout_s:.3f} s") from None
             raise
+
+    async def _cancellable(self, request: asyncio.Future, call: Call):
+        """Wait for `request` until its answer, the caller's event (the request is cancelled:
+        RequestCancelledError) or call.timeout_s (cancelled too: TimeoutError)."""
+        cancelled = asyncio.ensure_future(call.cancel.wait())
+        try:
+            done, _ = await asyncio.wait({request, cancelled}, timeout=call.timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+        if request in done:
+            return request.result()
+        request.cancel()  # HTTP: aiohttp closes the request's connection; gRPC: the RPC is cancelled
+        await asyncio.gather(request, return_exceptions=True)
+        if cancelled in done:
+            raise RequestCancelledError("cancelled by the caller")
+        raise TimeoutError(f"{call.timeout_s:.3f} s")
 
     def _forget(self, request: asyncio.Task) -> None:
         self._unanswered.pop(request, None)
@@ -98,22 +118,33 @@ class AsyncTritonClassifierClient(ClientCore):
         """As `TritonClassifierClient.model_config_view`."""
         return await self._run(self._model_config_view(model))
 
+    async def priority_levels(self, model: str = ENSEMBLE_MODEL) -> int:
+        """As `TritonClassifierClient.priority_levels`."""
+        return await self._run(self._priority_levels(model))
+
+    async def check_priority(self, model: str, priority: int) -> None:
+        """As `TritonClassifierClient.check_priority`."""
+        await self._run(self._check_priority(model, priority))
+
     async def weights_meaningful(self, model: str = ENSEMBLE_MODEL) -> bool | None:
         """As `TritonClassifierClient.weights_meaningful`."""
         return await self._run(self._weights_meaningful(model))
 
     async def classify(self, images: Sequence[bytes], top_k: int = 5, model: str = ENSEMBLE_MODEL,
-                       deadline_s: float | None = None) -> list[list[Prediction]]:
-        """As `TritonClassifierClient.classify`."""
-        return await self._run(self._classify(images, top_k, model, deadline_s))
+                       deadline_s: float | None = None, priority: int = 0,
+                       cancel: asyncio.Event | None = None) -> list[list[Prediction]]:
+        """As `TritonClassifierClient.classify`; `cancel` (an asyncio.Event) works over HTTP too: the
+        request's connection is closed and Triton drops the request. Cancelling the task instead leaves
+        the request to finish unanswered (as a deadline does)."""
+        return await self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
 
-    async def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL,
-                           deadline_s: float | None = None) -> np.ndarray:
-        """As `TritonClassifierClient.infer_tensor`."""
+    async def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,
+                           priority: int = 0, cancel: asyncio.Event | None = None) -> np.ndarray:
+        """As `TritonClassifierClient.infer_tensor`, with `cancel` as for classify."""
         if not self.shared_memory:
-            return await self._run(self._infer_tensor(batch, model, deadline_s))
+            return await self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
         async with self._lock:
-            return await self._run(self._infer_tensor(batch, model, deadline_s))
+            return await self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
 
     async def close(self) -> None:
         """Await the inferences the caller stopped waiting for (each within its RPC deadline, so no request

@@ -8,7 +8,10 @@ behind, and any unexpected error cancels the rest and is raised.
 
 Prints client-side latency percentiles (ms, from send to answer, retries of a full queue included),
 throughput (requests/s), queue-full retries, and the average batch size the server formed per model
-(nv_inference_count / nv_inference_exec_count from --metrics-url, this run's increase).
+(nv_inference_count / nv_inference_exec_count from --metrics-url, this run's increase), and the response
+cache's hits, misses, entries and fill over the run (the same photos sent again are answered from it: a
+server started with `serve --response-cache-bytes 0` measures the models). --priority sends every request
+at that level (1 = served first).
 
 Exit status: 0 every request answered; 1 some failed (each one line on stderr); 2 nothing measured: bad
 options, no image files, the server unreachable or the model not ready, the metrics unreadable (one line).
@@ -28,7 +31,7 @@ import numpy as np
 from resnet18_kit.client.backoff import RetryPolicy
 from resnet18_kit.client.async_client import AsyncTritonClassifierClient
 from resnet18_kit.client.errors import InferenceError
-from resnet18_kit.observe.metrics import average_batch_size, model_counters
+from resnet18_kit.observe.metrics import average_batch_size, cache_counters, model_counters
 from resnet18_kit.client.samples import expand_paths, sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
 
@@ -37,8 +40,10 @@ PREFIX = "resnet18-kit bench async-pipeline"
 
 
 async def run_pipeline(client: AsyncTritonClassifierClient, images: list[bytes], requests: int,
-                       rate_per_s: float, max_in_flight: int, seed: int = 0) -> tuple[list[float], int]:
-    """Send `requests` single-image classify calls; return (latencies in seconds, failed count).
+                       rate_per_s: float, max_in_flight: int, seed: int = 0,
+                       priority: int = 0) -> tuple[list[float], int]:
+    """Send `requests` single-image classify calls at `priority` (0 = the model's default level); return
+    (latencies in seconds, failed count).
 
     rate_per_s: mean arrival rate of the Poisson producer (exponential gaps); 0 = no pacing.
     max_in_flight: the producer waits for a free slot before sending beyond this many.
@@ -52,7 +57,7 @@ async def run_pipeline(client: AsyncTritonClassifierClient, images: list[bytes],
         nonlocal failures
         started = time.perf_counter()
         try:
-            await client.classify([image], top_k=1)
+            await client.classify([image], top_k=1, priority=priority)
             latencies.append(time.perf_counter() - started)
         except InferenceError as exc:
             failures += 1
@@ -90,13 +95,16 @@ async def measure(args: argparse.Namespace, url: str, protocol: str, metrics_url
         if not await client.is_model_ready(ENSEMBLE_MODEL):
             print(f"{PREFIX}: model '{ENSEMBLE_MODEL}' is not ready at {url} ({protocol})", file=sys.stderr)
             return 2
+        await client.check_priority(ENSEMBLE_MODEL, args.priority)  # ValueError: a level it does not serve
         before = {m: await asyncio.to_thread(model_counters, metrics_url, m) for m in BATCHED_MODELS}
+        cache_before = await asyncio.to_thread(cache_counters, metrics_url)
         started = time.perf_counter()
         latencies, failures = await run_pipeline(client, images, args.requests, args.rate,
-                                                 args.max_in_flight, args.seed)
+                                                 args.max_in_flight, args.seed, args.priority)
         elapsed = time.perf_counter() - started
         retries = client.retries
     after = {m: await asyncio.to_thread(model_counters, metrics_url, m) for m in BATCHED_MODELS}
+    cache_after = await asyncio.to_thread(cache_counters, metrics_url)
 
     print(f"{len(latencies)} answered, {failures} failed, {retries} queue-full retries, "
           f"in {elapsed:.2f} s = {len(latencies) / elapsed:.1f} requests/s "
@@ -109,7 +117,20 @@ async def measure(args: argparse.Namespace, url: str, protocol: str, metrics_url
                  for k in ("nv_inference_count", "nv_inference_exec_count")}
         print(f"server batches {model:<14} {delta['nv_inference_count']:.0f} inferences in "
               f"{delta['nv_inference_exec_count']:.0f} executions: average batch {average_batch_size(delta):.2f}")
+    print(cache_line(cache_before, cache_after))
     return 1 if failures else 0
+
+
+def cache_line(before: dict[str, float], after: dict[str, float]) -> str:
+    """One line on the response cache between two observe.metrics.cache_counters readings: hits, misses,
+    hit ratio, entries and fill (nv_cache_util); or that the server runs without one."""
+    if not after:
+        return "response cache: none on this server (serve --response-cache-bytes 0, or a server started without one)"
+    hits = after.get("num_hits", 0.0) - before.get("num_hits", 0.0)
+    misses = after.get("num_misses", 0.0) - before.get("num_misses", 0.0)
+    ratio = f"{hits / (hits + misses):.2f}" if hits + misses else "-"
+    return (f"response cache: {hits:.0f} hits, {misses:.0f} misses (hit ratio {ratio}); {after.get('num_entries', 0):.0f} "
+            f"entries, {100 * after.get('util', 0.0):.2f} % of its size in use, {after.get('num_evictions', 0):.0f} evictions")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,13 +145,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=64, help="outstanding requests (default 64)")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="per request, retries included, seconds")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.add_argument("--priority", type=int, default=0,
+                        help="priority level of every request, 1 = served first (default 0: the model's default)")
     add_server_address_options(parser)
 
 
 def run(settings, args: argparse.Namespace) -> int:
     """Run the pipeline against settings.url / settings.protocol, batches from settings.metrics_url."""
-    if args.requests < 1 or args.max_in_flight < 1 or args.rate < 0 or not args.deadline_s > 0:
-        print(f"{PREFIX}: --requests and --max-in-flight must be >= 1, --rate >= 0, --deadline-s > 0",
+    if args.requests < 1 or args.max_in_flight < 1 or args.rate < 0 or not args.deadline_s > 0 or args.priority < 0:
+        print(f"{PREFIX}: --requests and --max-in-flight must be >= 1, --rate >= 0, --deadline-s > 0, --priority >= 0",
               file=sys.stderr)
         return 2
     url, protocol = settings.url, settings.protocol

@@ -27,6 +27,18 @@ DeadlineExceededError when the budget ends; the request itself is never cancelle
 cancelled gRPC requests under load): its RPC has a longer deadline (client.core.rpc_deadline_s), goes on
 unanswered, and close() waits for it before closing the connection.
 
+Priority: `priority=1` puts a request ahead of every default-priority (2) request still queued in the
+steps that configure levels (model_repository/*/config.pbtxt, `priority_levels`); 0 = the model's default
+level; a level the model does not serve is a ValueError (Triton would quietly serve it at the default).
+
+Cancellation: pass `cancel=` an event (threading.Event here, asyncio.Event for the asyncio client); setting
+it cancels the request and the call raises RequestCancelledError. Over gRPC the RPC is cancelled: the kit's
+gRPC guard answers the caller at once but lets tritonserver finish the request (a cancelled gRPC request
+crashes Triton 2.51 under load; fixed in 2.53), so only HTTP frees the server on 2.51: the asyncio HTTP
+client closes the request's connection and Triton drops the request from its queue, or the Python models
+skip it (`is_cancelled()`). The blocking HTTP client cannot cancel (tritonclient.http has no way to abort
+a request): ValueError. docs/usage.md "Traffic controls".
+
 Shared memory (`shared_memory=True`): `infer_tensor` passes its input and output through system shared
 memory regions registered once per model (sized for its served max_batch_size) and unregistered on close
 (same host only; see `client.shared_memory`). Calls on one client then run one at a time (a lock).
@@ -35,7 +47,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Sequence
 
 import numpy as np
@@ -47,11 +59,14 @@ from resnet18_kit.client.core import (UNREGISTER_TRIES, UNREGISTER_WAIT_S, WEIGH
 from resnet18_kit.contract import (DEFAULT_URLS, ENSEMBLE_MODEL, FP32_BYTES, IMAGE_INPUT, IMAGE_SHAPE,  # noqa: F401 (re-exported)
                                    LOGITS_OUTPUT, NUM_CLASSES, ONNX_MODEL, PROBABILITIES_OUTPUT, PROTOCOLS,
                                    TENSOR_INPUT)
+from resnet18_kit.client.errors import RequestCancelledError
 from resnet18_kit.observe.model_config import ModelConfigView
 
 #: Connections of one blocking HTTP client: one for the call under way, the others for requests whose
 #: caller stopped waiting at its deadline while the server still holds them.
 HTTP_CONNECTIONS = 4
+#: How often a cancellable call looks at its caller's event, seconds (its answer is not delayed by it).
+CANCEL_POLL_S = 0.005
 #: tritonclient.http's message when InferAsyncRequest.get_result's timeout passes first.
 HTTP_NO_ANSWER_YET = "failed to obtain inference response"
 
@@ -92,6 +107,8 @@ class TritonClassifierClient(ClientCore):
         if call.name != "infer":
             return getattr(self._client, call.name)(*call.args, **call.kwargs)
         ends_at = None if call.rpc_timeout_s is None else time.monotonic() + call.rpc_timeout_s
+        if call.cancel is not None:
+            return self._cancellable(call)
         answer = self._send(call)
         try:
             return answer(call.timeout_s)
@@ -119,6 +136,29 @@ class TritonClassifierClient(ClientCore):
             future.set_exception(error) if error is not None else future.set_result(result)
         self._client.async_infer(*call.args, callback=done, **call.kwargs)
         return future.result
+
+    def _cancellable(self, call: Call):
+        """A gRPC inference the caller may cancel (call.cancel set): RequestCancelledError once it is."""
+        if self.protocol == "http":
+            raise ValueError("cancel: the blocking HTTP client cannot cancel a request (tritonclient.http has "
+                             "no way to abort one); use protocol='grpc' or the asyncio client")
+        future: Future = Future()
+
+        def done(result, error):
+            future.set_exception(error) if error is not None else future.set_result(result)
+        context = self._client.async_infer(*call.args, callback=done, **call.kwargs)
+        ends_at = None if call.timeout_s is None else time.monotonic() + call.timeout_s
+        while True:
+            try:
+                return future.result(timeout=CANCEL_POLL_S)
+            except FutureTimeout:
+                pass
+            if call.cancel.is_set():
+                context.cancel()
+                raise RequestCancelledError("cancelled by the caller")
+            if ends_at is not None and time.monotonic() >= ends_at:
+                context.cancel()  # the caller's deadline: cancelled, as the caller asked for cancellation
+                raise TimeoutError(f"{call.timeout_s:.3f} s")
 
     def _wait_unanswered(self) -> None:
         """Let every inference the caller stopped waiting for end (each within its RPC deadline)."""
@@ -168,27 +208,39 @@ class TritonClassifierClient(ClientCore):
         """The served config as observe.model_config.ModelConfigView (cached)."""
         return self._run(self._model_config_view(model))
 
+    def priority_levels(self, model: str = ENSEMBLE_MODEL) -> int:
+        """The most priority levels `model` or a step of its ensemble serves (0: none; 1 is served first)."""
+        return self._run(self._priority_levels(model))
+
+    def check_priority(self, model: str, priority: int) -> None:
+        """ValueError, one line ("priority 3: resnet18 serves priority levels 1..2 ..."), unless `model`
+        serves `priority` (0 = its default level)."""
+        self._run(self._check_priority(model, priority))
+
     def weights_meaningful(self, model: str = ENSEMBLE_MODEL) -> bool | None:
         """Whether the served weights are trained (True), random (False) or unknown (None): the
         `weights_meaningful` parameter of the model's served config, or of its ensemble steps' configs."""
         return self._run(self._weights_meaningful(model))
 
     def classify(self, images: Sequence[bytes], top_k: int = 5, model: str = ENSEMBLE_MODEL,
-                 deadline_s: float | None = None) -> list[list[Prediction]]:
+                 deadline_s: float | None = None, priority: int = 0,
+                 cancel: threading.Event | None = None) -> list[list[Prediction]]:
         """Classify encoded images (JPEG, PNG, ...) in one request; len(images) <= the model's
         max_batch_size (16). Returns, per image, its top_k predictions (1 <= top_k <= 1000, else
-        ValueError), most probable first. deadline_s: time budget of the call in seconds (default: the
-        retry policy's)."""
-        return self._run(self._classify(images, top_k, model, deadline_s))
+        ValueError), most probable first. deadline_s: time budget of the call in seconds, > 0 (default:
+        the retry policy's); priority: 1 = interactive, served first; 0 = default (module doc); cancel: an
+        event that cancels the request (gRPC only here; RequestCancelledError)."""
+        return self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
 
-    def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL,
-                     deadline_s: float | None = None) -> np.ndarray:
+    def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,
+                     priority: int = 0, cancel: threading.Event | None = None) -> np.ndarray:
         """FP32 [N, 3, 224, 224] (normalized as the preprocess model does) -> logits FP32 [N, 1000].
-        Raises ValueError for another shape, InvalidInputError for N > max_batch_size."""
+        Raises ValueError for another shape, InvalidInputError for N > max_batch_size; deadline_s,
+        priority and cancel as for classify."""
         if not self.shared_memory:
-            return self._run(self._infer_tensor(batch, model, deadline_s))
+            return self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
         with self._lock:
-            return self._run(self._infer_tensor(batch, model, deadline_s))
+            return self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
 
     def close(self) -> None:
         """Wait for the inferences the caller stopped waiting for (each within its RPC deadline, so no

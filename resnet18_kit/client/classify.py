@@ -1,11 +1,12 @@
 """Top-k ImageNet labels for image files, from a Triton server that serves this model repository.
 
     resnet18-kit classify [--url HOST:PORT] [--protocol http|grpc] [--model NAME] [--top-k K] [--json]
-                          IMAGE_OR_FOLDER ...
+                          [--priority N] IMAGE_OR_FOLDER ...
 
 Sends one request per image (up to --concurrency in flight) to the ensemble --model (default `resnet18`),
 so the server's dynamic batcher forms the batches; a request refused because the queue is full is retried
-until --deadline-s. A folder stands for the image files under it: every suffix the server's decoder
+until --deadline-s. --priority 1 puts the requests ahead of default-priority traffic in the steps' queues
+(0, the default: the models' default level, 2). A folder stands for the image files under it: every suffix the server's decoder
 (Pillow) opens, .avif included; other files found there are named once on stderr.
 
 Output (stdout): per image, its top-k labels with probabilities in percent (the ensemble's softmax) and
@@ -18,7 +19,7 @@ of its ensemble steps): false = a seeded random init, the labels mean nothing; n
 say. When it is false a note says so once on stderr (text and --json). Progress bar, notes and errors go to stderr.
 
 Exit status: 0 every image classified; 1 some image failed (each failure is one line); 2 nothing was sent:
-bad options (--top-k outside 1..1000, ...), no image files, or the server unreachable, not a Triton
+bad options (--top-k outside 1..1000, a --priority the model does not serve, ...), no image files, or the server unreachable, not a Triton
 server speaking --protocol, or not ready (one line naming the problem).
 """
 from __future__ import annotations
@@ -57,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight, >= 1 (default 4)")
     parser.add_argument("--deadline-s", type=float, default=60.0,
                         help="time budget per image in seconds, retries of a full queue included (default 60)")
+    parser.add_argument("--priority", type=int, default=0,
+                        help="priority level, 1 = served first (default 0: the model's default level)")
     parser.add_argument("--json", action="store_true", help="one JSON object per image and line on stdout")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_server_address_options(parser)
@@ -64,11 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def classify_files(files: list[Path], url: str, protocol: str, top_k: int = 5, concurrency: int = 4,
                    model: str = ENSEMBLE_MODEL, deadline_s: float = 60.0, progress: bool = False,
-                   ) -> Iterator[tuple[Path, list[Prediction] | Exception]]:
+                   priority: int = 0) -> Iterator[tuple[Path, list[Prediction] | Exception]]:
     """Classify each file in its own request, `concurrency` at a time: that many threads, each with its
     own client, which it also closes (so a request past its deadline is waited for, never cancelled:
     client.classifier). Yields (path, top_k predictions) in input order; a failed file gets its exception
-    (an InferenceError, or OSError when it cannot be read) instead. progress: a tqdm bar on stderr."""
+    (an InferenceError, or OSError when it cannot be read) instead. progress: a tqdm bar on stderr;
+    priority: each request's priority level (0 = the model's default)."""
     from tqdm import tqdm
 
     retry = RetryPolicy(deadline_s=deadline_s)
@@ -85,7 +89,8 @@ def classify_files(files: list[Path], url: str, protocol: str, top_k: int = 5, c
                 except queue.Empty:
                     return
                 try:
-                    results[index].set_result(client.classify([path.read_bytes()], top_k, model)[0])
+                    results[index].set_result(client.classify([path.read_bytes()], top_k, model,
+                                                                   priority=priority)[0])
                 except (InferenceError, OSError) as exc:  # reported per file, the others go on
                     results[index].set_result(exc)
                 except BaseException as exc:  # a bug: raised where the results are read
@@ -136,9 +141,9 @@ def format_predictions(path: Path, predictions: list[Prediction], mark: str = ""
     return "\n".join(lines)
 
 
-def check_server(url: str, protocol: str, model: str) -> tuple[str | None, bool | None]:
+def check_server(url: str, protocol: str, model: str, priority: int = 0) -> tuple[str | None, bool | None]:
     """(None, weights_meaningful) when `url` is a ready Triton server speaking `protocol` with `model`
-    ready; else (a one-line message saying what is wrong, None). weights_meaningful: True, False or None
+    ready and serving `priority`; else (a one-line message saying what is wrong, None). weights_meaningful: True, False or None
     (unknown), from the served config (TritonClassifierClient.weights_meaningful)."""
     where = f"{url} ({protocol})"
     try:
@@ -148,6 +153,10 @@ def check_server(url: str, protocol: str, model: str) -> tuple[str | None, bool 
                 return f"the Triton server at {where} is not ready", None
             if not client.is_model_ready(model):
                 return f"model '{model}' is not ready on the Triton server at {where}", None
+            try:
+                client.check_priority(model, priority)
+            except ValueError as exc:
+                return f"--{exc}", None
             try:
                 return None, client.weights_meaningful(model)
             except InferenceError:
@@ -169,6 +178,8 @@ def usage_problem(args: argparse.Namespace) -> str | None:
         return f"--concurrency {args.concurrency}: give 1 or more"
     if not args.deadline_s > 0:
         return f"--deadline-s {args.deadline_s:g}: give more than 0"
+    if args.priority < 0:
+        return f"--priority {args.priority}: give 0 (the model's default level) or a level, 1 = served first"
     return None
 
 
@@ -194,7 +205,7 @@ def run(settings, args: argparse.Namespace) -> int:
     if not files:
         say(f"no image files in {' '.join(map(str, args.paths))}")
         return 2
-    problem, weights_meaningful = check_server(settings.url, settings.protocol, args.model)
+    problem, weights_meaningful = check_server(settings.url, settings.protocol, args.model, args.priority)
     if problem:
         say(problem)
         return 2
@@ -202,7 +213,8 @@ def run(settings, args: argparse.Namespace) -> int:
         say(f"NOTE the server's '{args.model}' has RANDOM weights, not trained ones: its labels are meaningless")
     failed = 0
     results = classify_files(files, settings.url, settings.protocol, args.top_k, args.concurrency, args.model,
-                             args.deadline_s, progress=not args.no_progress and sys.stderr.isatty())
+                             args.deadline_s, progress=not args.no_progress and sys.stderr.isatty(),
+                             priority=args.priority)
     for path, result in results:
         failed += isinstance(result, Exception)
         log.debug("%s: %s", path, "failed" if isinstance(result, Exception) else "classified")

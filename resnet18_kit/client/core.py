@@ -22,12 +22,13 @@ import numpy as np
 from tritonclient.utils import InferenceServerException
 
 from resnet18_kit.client.backoff import Deadline, RetryPolicy
-from resnet18_kit.client.errors import DeadlineExceededError, QueueFullError, ServerUnavailableError, typed_error
+from resnet18_kit.client.errors import (DeadlineExceededError, QueueFullError, RequestCancelledError,
+                                        ServerUnavailableError, typed_error)
 from resnet18_kit.client.shared_memory import TensorRegions
 from resnet18_kit.client.urls import host_port
 from resnet18_kit.contract import (DEFAULT_URLS, FP32_BYTES, IMAGE_INPUT, IMAGE_SHAPE, LOGITS_OUTPUT, NUM_CLASSES,
                                    PROBABILITIES_OUTPUT, PROTOCOLS, TENSOR_INPUT)
-from resnet18_kit.observe.model_config import ModelConfigView
+from resnet18_kit.observe.model_config import ModelConfigView, priority_levels
 
 #: Right after an inference Triton may still hold a region and refuse to unregister it ("currently in
 #: use"); close() retries up to UNREGISTER_TRIES times, UNREGISTER_WAIT_S apart (1 s in all).
@@ -70,6 +71,9 @@ class Call:
     kwargs: dict = field(default_factory=dict)
     timeout_s: float | None = None
     rpc_timeout_s: float | None = None
+    #: The caller's cancellation (threading.Event for the blocking client, asyncio.Event for the asyncio
+    #: one): once set, the shell cancels the request (module doc of client.classifier, "Cancellation").
+    cancel: object = None
 
 
 def rpc_deadline_s(remaining_s: float | None) -> float | None:
@@ -217,13 +221,38 @@ class ClientCore:
 
     # -- inference ------------------------------------------------------------------------------------
 
-    def _infer(self, model: str, build, parse, deadline_s: float | None) -> Steps:
+    def _priority_levels(self, model: str) -> Steps:
+        """The most priority levels `model`, or any step of its ensemble, serves (0: none)."""
+        view = yield from self._model_config_view(model)
+        levels = priority_levels(view.proto)
+        for step in view.proto.ensemble_scheduling.step:
+            levels = max(levels, priority_levels((yield from self._model_config_view(step.model_name)).proto))
+        return levels
+
+    def _check_priority(self, model: str, priority: int) -> Steps:
+        """ValueError unless `priority` is 0 (the model's default level) or one of the levels `model`
+        serves: Triton itself would serve an unknown level at the default one without a word."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+            raise ValueError(f"priority must be an integer >= 0 (0: the model's default level), not {priority!r}")
+        if priority:
+            levels = yield from self._priority_levels(model)
+            if priority > levels:
+                served = f"serves priority levels 1..{levels}" if levels > 1 else "serves no priority levels"
+                raise ValueError(f"priority {priority}: {model} {served} (1 is served first)")
+
+    def _infer(self, model: str, build, parse, deadline_s: float | None, priority: int = 0,
+               cancel=None) -> Steps:
         """Send one inference, retrying queue-full refusals with backoff until the deadline (module doc of
         client.classifier). build() -> (inputs, outputs); parse(result) -> the answer. The remaining
         time goes to the server as the request's `timeout` (microseconds): a queue that allows it
         (allow_timeout_override) refuses the request once nobody waits for it, instead of the client
-        cancelling it; the RPC's own deadline is rpc_deadline_s of it."""
+        cancelling it; the RPC's own deadline is rpc_deadline_s of it. priority: the request's priority
+        level (0 = the model's default; ValueError for one it does not serve); cancel: an event that
+        cancels the request when set (RequestCancelledError)."""
+        if deadline_s is not None and not deadline_s > 0:
+            raise ValueError(f"deadline_s must be a positive number of seconds, not {deadline_s!r}")
         yield from self._model_config_view(model)  # the model exists; errors typed before the first try
+        yield from self._check_priority(model, priority)
         deadline = Deadline(self.retry_policy.deadline_s if deadline_s is None else deadline_s)
         attempts = 0
         while True:
@@ -231,13 +260,17 @@ class ClientCore:
             remaining_s = deadline.remaining_s()
             if remaining_s is not None and remaining_s <= 0:
                 raise DeadlineExceededError("deadline expired before the request could be sent", retries=attempts)
+            if cancel is not None and cancel.is_set():
+                raise RequestCancelledError("cancelled by the caller before it was sent", retries=attempts)
             options = {} if remaining_s is None else {"timeout": max(1, int(remaining_s * 1e6))}
+            if priority:
+                options["priority"] = priority
             rpc_timeout_s = rpc_deadline_s(remaining_s)
             if self.protocol == "grpc":
                 options["client_timeout"] = rpc_timeout_s
             try:
                 result = yield Call("infer", (model, inputs), {"outputs": outputs, **options}, remaining_s,
-                                    rpc_timeout_s)
+                                    rpc_timeout_s, cancel)
             except Exception as exc:
                 error = typed_error(exc, self.url, self.protocol, deadline, probe=False)
                 error.retries = attempts
@@ -251,16 +284,20 @@ class ClientCore:
                 continue
             return parse(result)
 
-    def _classify(self, images: Sequence[bytes], top_k: int, model: str, deadline_s: float | None) -> Steps:
+    def _classify(self, images: Sequence[bytes], top_k: int, model: str, deadline_s: float | None,
+                  priority: int = 0, cancel=None) -> Steps:
         if not 1 <= top_k <= NUM_CLASSES:
             raise ValueError(f"top_k must be 1..{NUM_CLASSES}, not {top_k}")
         return (yield from self._infer(model, lambda: self._classify_request(images, top_k),
-                                       lambda result: self._predictions(result, len(images)), deadline_s))
+                                       lambda result: self._predictions(result, len(images)), deadline_s,
+                                       priority, cancel))
 
-    def _infer_tensor(self, batch: np.ndarray, model: str, deadline_s: float | None) -> Steps:
+    def _infer_tensor(self, batch: np.ndarray, model: str, deadline_s: float | None, priority: int = 0,
+                      cancel=None) -> Steps:
         regions = (yield from self._regions_for(model)) if self.shared_memory else None
         return (yield from self._infer(model, lambda: self._tensor_request(batch, regions),
-                                       lambda result: self._logits(result, len(batch), regions), deadline_s))
+                                       lambda result: self._logits(result, len(batch), regions), deadline_s,
+                                       priority, cancel))
 
     def _classify_request(self, images: Sequence[bytes], top_k: int):
         array = np.array([bytes(image) for image in images], dtype=np.object_).reshape(-1, 1)

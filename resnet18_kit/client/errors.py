@@ -24,6 +24,7 @@ _INVALID = {"400", "StatusCode.INVALID_ARGUMENT"}
 _UNAVAILABLE = {"503", "StatusCode.UNAVAILABLE"}
 _DEADLINE = {"StatusCode.DEADLINE_EXCEEDED", "504"}
 _NOT_FOUND = {"404", "StatusCode.NOT_FOUND"}
+_CANCELLED = {"StatusCode.CANCELLED", "499"}
 
 
 class InferenceError(Exception):
@@ -57,6 +58,11 @@ class DeadlineExceededError(InferenceError):
     `timeout` expired in the model's queue)."""
 
 
+class RequestCancelledError(InferenceError):
+    """The caller cancelled the request (its `cancel` event was set), or the server answered CANCELLED
+    (HTTP 499 is not sent: the connection is gone; gRPC CANCELLED)."""
+
+
 class ServerUnavailableError(InferenceError):
     """The server could not be reached, or answered 503 / UNAVAILABLE for another reason."""
 
@@ -71,6 +77,8 @@ def from_triton(exc: InferenceServerException) -> InferenceError:
     status, message = exc.status(), exc.message() or str(exc)
     if status in _UNAVAILABLE and QUEUE_FULL_MESSAGE in message:
         return QueueFullError(message, status)
+    if status in _CANCELLED:
+        return RequestCancelledError(message, status)
     if status in _DEADLINE or QUEUE_TIMEOUT_MESSAGE in message:
         return DeadlineExceededError(message, status)
     if status in _NOT_FOUND or "unknown model" in message or "is not found" in message:

@@ -43,3 +43,24 @@ def average_batch_size(counters: dict[str, float]) -> float:
     (inferences = batch elements, executions = model runs; Triton's metrics documentation)."""
     executions = counters.get("nv_inference_exec_count", 0.0)
     return counters.get("nv_inference_count", 0.0) / executions if executions else 0.0
+
+
+#: The local response cache's server-wide metrics (Triton 2.51, --cache-config local,...): hits, misses,
+#: lookups, entries, evictions (counts) and util (fraction of the cache's bytes in use, 0..1). An ensemble's
+#: own per-model cache metrics are never created (its hits are in the statistics extension instead).
+CACHE_METRICS = ("nv_cache_num_hits", "nv_cache_num_misses", "nv_cache_num_lookups", "nv_cache_num_entries",
+                 "nv_cache_num_evictions", "nv_cache_util")
+
+
+def cache_counters(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """{metric: value} of CACHE_METRICS without their `nv_cache_` prefix ({"num_hits": 3.0, ...,
+    "util": 0.0002}); empty when the server runs without a response cache. Raises urllib.error.URLError
+    when the endpoint cannot be reached."""
+    wanted = set(CACHE_METRICS)
+    values = {}
+    for family in _families(metrics_url, timeout_s):
+        for sample in family.samples:
+            name = family.name if sample.name == f"{family.name}_total" else sample.name
+            if name in wanted and not sample.labels:
+                values[name.removeprefix("nv_cache_")] = sample.value
+    return values

@@ -22,13 +22,14 @@ from resnet18_kit.server.embedded import ADMIN_KEY_ENV, EmbeddedTritonServer
 
 
 def serve_arguments(config: ServerConfig, server_log: Path) -> list[str]:
-    """The options of `resnet18-kit serve` for `config` (model repository, ports, exit timeout), tritonserver's
+    """The options of `resnet18-kit serve` for `config` (model repository, ports, exit timeout, response cache:
+    none unless `config` has one, so every request of a scenario is computed), tritonserver's
     log in `server_log`; the global --model-repository given after the command name, as `make serve ARGS=`
     passes it."""
     return ["--model-repository", str(config.model_repository),
             "--http-port", str(config.http_port), "--grpc-port", str(config.grpc_port),
             "--metrics-port", str(config.metrics_port), "--exit-timeout-s", str(config.exit_timeout_s),
-            "--server-log", str(server_log)]
+            "--response-cache-bytes", str(config.response_cache_bytes), "--server-log", str(server_log)]
 
 
 def environment_without_admin_key() -> dict[str, str]:

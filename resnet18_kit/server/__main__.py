@@ -41,7 +41,8 @@ from pathlib import Path
 from resnet18_kit.export import ensure_exported, export_needed
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shown
-from resnet18_kit.server.config import ConfigurationError, ServerConfig, check_ports_free, free_ports
+from resnet18_kit.server.config import (DEFAULT_CACHE_BYTES, MAX_CACHE_BYTES, ConfigurationError, ServerConfig,
+                                        check_ports_free, free_ports)
 from resnet18_kit.server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, tritonserver_binary
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
@@ -69,12 +70,36 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests get to finish on shutdown (default 30)")
     parser.add_argument("--log-verbose", type=int, default=0,
                         help="tritonserver's --log-verbose level (default 0; 1 and up: detail per request)")
+    parser.add_argument("--response-cache-bytes", type=cache_bytes, default=DEFAULT_CACHE_BYTES, metavar="BYTES",
+                        help="size of Triton's local response cache, bytes (e.g. 67108864 or 64MiB; default "
+                             f"{DEFAULT_CACHE_BYTES >> 20} MiB; 0 = no cache): an image sent again is answered "
+                             "from it without running the models (docs/usage.md 'Traffic controls')")
     parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=True,
                         help="gRPC clients connect to the kit's guard, which never passes their deadlines or "
                              "cancellations on to tritonserver (Triton 2.51 crashes on them under load; "
                              "docs/reliability.md 'Deadlines and cancellation'); tritonserver's own gRPC then "
                              "listens on a free port of 127.0.0.1 (default: on; --no-grpc-guard exposes "
                              "tritonserver's gRPC on --grpc-port)")
+
+
+#: Size suffixes --response-cache-bytes accepts (powers of 1024).
+SIZE_SUFFIXES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def cache_bytes(text: str) -> int:
+    """--response-cache-bytes: a whole number of bytes, optionally with KiB / MiB / GiB, 0..MAX_CACHE_BYTES
+    (16 GiB); argparse.ArgumentTypeError (one line) otherwise."""
+    number, scale = text.strip(), 1
+    for suffix, factor in SIZE_SUFFIXES.items():
+        if number.endswith(suffix):
+            number, scale = number[:-len(suffix)].strip(), factor
+    try:
+        value = int(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, e.g. 67108864 or 64MiB (0 = no cache)")
+    if not 0 <= value <= MAX_CACHE_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 0 (no cache) to {MAX_CACHE_BYTES >> 30} GiB")
+    return value
 
 
 class InsecureBindError(ValueError):
@@ -95,6 +120,7 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
                           http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           model_config_name=args.model_config_name or None, exit_timeout_s=args.exit_timeout_s,
                           log_verbose=args.log_verbose, admin_key=admin_key,
+                          response_cache_bytes=args.response_cache_bytes,
                           triton_grpc_port=free_ports(1)[0] if args.grpc_guard else None)
     if not config.loopback_only:
         if admin_key is None:

@@ -12,6 +12,12 @@ from resnet18_kit.contract import DEFAULT_HOST, DEFAULT_PORTS, PROTOCOLS
 from resnet18_kit.server.resources import busy_port
 
 MiB = 1 << 20
+#: `serve`'s response cache: 64 MiB holds about 8,000 answers of the `resnet18` ensemble (a cached answer is
+#: its two FP32 [1, 1000] outputs, 8 KB per image: `resnet18-kit bench traffic --only cache`, 60 entries
+#: filled 0.73 % of 64 MiB by nv_cache_util). The local cache evicts the least recently used.
+DEFAULT_CACHE_BYTES = 64 * MiB
+#: The largest cache `serve` accepts: the cache lives in tritonserver's own memory, beside the models.
+MAX_CACHE_BYTES = 16 * (1 << 30)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,15 @@ class ServerConfig:
     python_shm_default_bytes: int = 16 * MiB
     python_shm_growth_bytes: int = 16 * MiB
     log_verbose: int = 0
+    #: tritonserver and its stubs run at this nice value (0 = as this process; higher = less CPU priority),
+    #: so the gRPC guard and the supervisor, whose work per request is small, get a core at once while
+    #: the models keep both busy. Measured (bench.traffic.priority_run, the scenario of `resnet18-kit bench
+    #: traffic`, 2 cores, default config): an interactive request's p99 under a bulk flood, through the
+    #: guard, 195 ms at nice 0 and 132 ms at 10; idle p99 41.8 and 35.4 ms; the flood 66.3 and 66.5 infer/s.
+    nice: int = 10
+    #: Triton's local response cache (--cache-config local,size=N), bytes; 0 = no cache. Only models whose
+    #: config says `response_cache { enable: true }` use it (the `resnet18` ensemble); DEFAULT_CACHE_BYTES.
+    response_cache_bytes: int = 0
     #: When set, RESTRICTED_APIS need the header `admin-key: <admin_key>` (HTTP 403 without it, gRPC
     #: UNAVAILABLE). Kept out of repr() so the key does not end up in logs.
     admin_key: str | None = field(default=None, repr=False)

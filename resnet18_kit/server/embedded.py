@@ -120,6 +120,10 @@ def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PR
         f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
         f"--log-verbose={config.log_verbose}",
     ]
+    if config.response_cache_bytes:
+        # Triton's local cache (libtritoncache_local.so, shipped in the wheel): LRU, held in this process.
+        cmd += [f"--cache-directory={_pytriton_dir() / 'tritonserver' / 'caches'}",
+                f"--cache-config=local,size={config.response_cache_bytes}"]
     if config.model_config_name:
         cmd.append(f"--model-config-name={config.model_config_name}")
     if config.admin_key:
@@ -169,6 +173,8 @@ class EmbeddedTritonServer:
         output = open(self.log_path, "ab") if self.log_path else None
         self.started_at = time.monotonic()
         command = server_command(self.config, self.shm_prefix)
+        if self.config.nice:
+            command = ["nice", "-n", str(self.config.nice), *command]  # exec'd: the same pid, its threads inherit
         if self.die_with_parent and shutil.which("setpriv"):
             command = ["setpriv", "--pdeathsig", "TERM", "--", *command]  # kept across its exec
         self.process = subprocess.Popen(

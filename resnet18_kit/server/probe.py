@@ -10,11 +10,14 @@ One probe round (`ProgressWatch.round`), over HTTP (KServe v2):
   1. read the server's execution count: the sum of `execution_count` over every model of the statistics
      extension (GET /v2/models/stats);
   2. unless that count grew since the last round (busy: other requests are being served), send one
-     inference through the ensemble: the preprocess model's warmup image (a serialized BYTES
-     tensor, the file the export writes) as the binary tensor data extension, with the request's `timeout`
-     parameter so that a full queue refuses it rather than holding it;
-  3. the round shows progress when the count grew or that inference was answered (200). A refusal of
-     the probe by a full queue is not progress by itself: a stuck server's queue is full too.
+     inference to each step of the ensemble, not to the ensemble itself, whose answers may come from the
+     response cache without running anything: the preprocess model gets its warmup image (a serialized
+     BYTES tensor, the file the export writes), the network a zero FP32 [1, 3, 224, 224] tensor, both as
+     the binary tensor data extension, with the request's `timeout` parameter so that a full queue
+     refuses it rather than holding it (a cache hit counts no execution either, so step 1 sees only work
+     the models did);
+  3. the round shows progress when the count grew or both inferences were answered (200). A refusal of
+     a probe by a full queue is not progress by itself: a stuck server's queue is full too.
 The server is wedged when no round has shown progress for a while (server.supervisor: wedged_after_s). As a
 script (compose, Kubernetes), one invocation is two reads of the count around the probe:
 
@@ -38,11 +41,13 @@ import time
 import urllib.error
 import urllib.request
 
-#: The ensemble a probe goes through (contract.ENSEMBLE_MODEL), its input and one output
-#: (contract.IMAGE_INPUT, contract.PROBABILITIES_OUTPUT): the file stays free of the package's imports.
-PROBE_MODEL = "resnet18"
-PROBE_INPUT = "image"
-PROBE_OUTPUT = "probabilities"
+#: The ensemble's steps a probe sends to, each (model, input, its datatype and shape, output): the names of
+#: contract.PREPROCESS_MODEL and contract.ONNX_MODEL, written out so that the file stays free of the
+#: package's imports.
+PROBE_STEPS = (("preprocess", "image", "BYTES", [1, 1], "pixels"),
+               ("resnet18_onnx", "input", "FP32", [1, 3, 224, 224], "logits"))
+#: The network's probe input: zeros, FP32 [1, 3, 224, 224] (4 bytes each).
+ZERO_PIXELS = bytes(4 * 3 * 224 * 224)
 
 
 def executions(http_url: str, timeout_s: float) -> int | None:
@@ -56,17 +61,27 @@ def executions(http_url: str, timeout_s: float) -> int | None:
     return sum(int(model.get("execution_count", 0)) for model in stats.get("model_stats", []))
 
 
-def probe_inference(http_url: str, serialized_image: bytes, timeout_s: float, model: str = PROBE_MODEL) -> tuple[bool, str]:
-    """One inference of `serialized_image` (a BYTES tensor: 4-byte little-endian length, then an encoded
-    image) through `model`, asking the server to refuse it after `timeout_s` in a queue and waiting at
-    most 2 x `timeout_s` + 1 s for the answer. (True, "200") when answered, else (False, what came back)."""
+def probe_inference(http_url: str, serialized_image: bytes, timeout_s: float) -> tuple[bool, str]:
+    """One inference per step of PROBE_STEPS: `serialized_image` (a BYTES tensor: 4-byte little-endian
+    length, then an encoded image) to the preprocess model, zeros to the network. (True, "200") when both
+    are answered, else (False, what came back from the first that was not)."""
+    for (model, name, datatype, shape, output), data in zip(PROBE_STEPS, (serialized_image, ZERO_PIXELS)):
+        answered, detail = _infer(http_url, model, name, datatype, shape, output, data, timeout_s)
+        if not answered:
+            return False, f"{model}: {detail}"
+    return True, "200"
+
+
+def _infer(http_url: str, model: str, name: str, datatype: str, shape: list[int], output: str, data: bytes,
+           timeout_s: float) -> tuple[bool, str]:
+    """One inference of `data` as input `name` of `model`, asking the server to refuse it after `timeout_s`
+    in a queue and waiting at most 2 x `timeout_s` + 1 s for the answer."""
     header = json.dumps({
-        "inputs": [{"name": PROBE_INPUT, "shape": [1, 1], "datatype": "BYTES",
-                    "parameters": {"binary_data_size": len(serialized_image)}}],
-        "outputs": [{"name": PROBE_OUTPUT, "parameters": {"classification": 1}}],
+        "inputs": [{"name": name, "shape": shape, "datatype": datatype, "parameters": {"binary_data_size": len(data)}}],
+        "outputs": [{"name": output, "parameters": {"binary_data": True}}],
         "parameters": {"timeout": max(1, int(timeout_s * 1e6))}}).encode()
     request = urllib.request.Request(
-        f"http://{http_url}/v2/models/{model}/infer", data=header + serialized_image, method="POST",
+        f"http://{http_url}/v2/models/{model}/infer", data=header + data, method="POST",
         headers={"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"})
     try:
         with urllib.request.urlopen(request, timeout=2 * timeout_s + 1.0) as response:

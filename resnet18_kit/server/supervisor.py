@@ -15,7 +15,7 @@ Checks, every `poll_interval_s`:
   * `/v2/health/live` has not answered for `unresponsive_after_s`;
   * wedged: no inference answered or executed for `wedged_after_s`, while the health endpoints may still
     answer 200 (a corrupt heap or stuck threads after a cancellation race in Triton 2.51). A thread probes
-    every `probe_interval_s` (server.probe: the execution count, and an inference through the ensemble
+    every `probe_interval_s` (server.probe: the execution count, and an inference to each step of the ensemble
     when the count did not grow). A stop of a server found wedged does not wait for its exit timeout.
 A restart stops the server (SIGTERM, `restart_drain_s` for the requests other models are serving, then
 SIGKILL) and starts it again on the same ports. More than `max_restarts` restarts within

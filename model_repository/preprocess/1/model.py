@@ -5,6 +5,10 @@ requests to one execute() call. Images are decoded one by one (they differ in si
 into its row of the request's output batch (FP32 [N, 3, 224, 224]), so a corrupt image
 fails only its own request, with INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT) and a message naming
 the problem; the other requests of the batch get their tensors.
+
+Cancellation: a request whose client has gone (HTTP disconnect, a cancelled gRPC call reaching the
+server) is answered CANCELLED before its images are decoded (`request.is_cancelled()`, one round trip to
+the server, tens of microseconds, against milliseconds per image).
 """
 import json
 import os
@@ -36,6 +40,9 @@ class TritonPythonModel:
         return [self._respond(request) for request in requests]
 
     def _respond(self, request):
+        if request.is_cancelled():
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED))
         images = pb_utils.get_input_tensor_by_name(request, self.input_name).as_numpy().reshape(-1)
         pixels = np.empty((len(images), *self.output_shape), self.output_dtype)
         try:

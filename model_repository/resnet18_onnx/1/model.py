@@ -7,7 +7,8 @@ file. The config's parameters name the file, the runtime and its threads (runtim
 
 execute() stacks the inputs of every request the dynamic batcher handed over into one batch, runs the
 network once, and splits the outputs back per request. If the stacked run fails, each request is run
-alone, so only the request that fails gets an error.
+alone, so only the request that fails gets an error. A request whose client has gone (is_cancelled(), one
+round trip to the server per request) is answered CANCELLED and left out of the batch.
 """
 import json
 import os
@@ -19,6 +20,11 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runtimes  # noqa: E402  (beside this file: how each runtime is loaded and configured)
+
+
+def cancelled():
+    """The answer to a request whose client has gone: Triton's standard CANCELLED status, nothing computed."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED))
 
 
 class TritonPythonModel:
@@ -33,6 +39,12 @@ class TritonPythonModel:
         self.run = runtimes.load(spec)
 
     def execute(self, requests):
+        gone = [request.is_cancelled() for request in requests]
+        live = [request for request, g in zip(requests, gone) if not g]
+        answers = iter(self._batch(live) if live else ())
+        return [cancelled() if g else next(answers) for g in gone]
+
+    def _batch(self, requests):
         inputs = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
         try:
             outputs = self.run(np.concatenate(inputs))
