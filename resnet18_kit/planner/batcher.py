@@ -3,7 +3,8 @@
 `form_batch` is a transcription of `DynamicBatchScheduler::GetDynamicBatch` and the queue policy of
 `PriorityQueue::PolicyQueue` in triton-inference-server/core at tag r24.10 (the core of Triton 2.51,
 src/dynamic_batch_scheduler.cc and src/scheduler_utils.cc), for the case every config of this repository
-is in: one priority level, and a `default_queue_policy` that sets a queue size, a timeout or
+is in: traffic at one priority level (the default one, whose queue follows `default_queue_policy`; the
+shipped configs' level 1, for interactive requests, is not modelled), and a `default_queue_policy` that sets a queue size, a timeout or
 `allow_timeout_override`, which turns the rate limiter's payload prefetching off, so the batcher forms a
 batch only when a model instance is idle (`WaitForPayloadSlotAvailable`) and a formed batch never grows.
 
@@ -109,15 +110,17 @@ def batcher_from_config(view: ModelConfigView) -> BatcherConfig:
     observe.model_config.ModelConfigView (Triton's defaults filled in: preferred sizes none =
     (max_batch_size,)). Without a dynamic_batching block max_batch_size is at least 1. Raises TypeError for
     anything but a ModelConfigView, ValueError for what is not modelled: a queue policy with
-    timeout_action DELAY, more than one priority level."""
+    timeout_action DELAY, a default priority level with a queue policy of its own (with several levels,
+    what is modelled is every request at the default level)."""
     if not isinstance(view, ModelConfigView):
         raise TypeError(f"batcher_from_config takes a ModelConfigView, not {type(view).__name__}")
     if not view.dynamic_batching:
         return BatcherConfig(max_batch_size=max(1, view.max_batch_size), dynamic_batching=False)
     if model_config.delays_timed_out_requests(view.proto):
         raise ValueError(f"{view.name}: timeout_action DELAY is not modelled (only REJECT)")
-    if model_config.priority_levels(view.proto) > 1:
-        raise ValueError(f"{view.name}: priority levels are not modelled")
+    batching = view.proto.dynamic_batching
+    if model_config.priority_levels(view.proto) > 1 and batching.default_priority_level in batching.priority_queue_policy:
+        raise ValueError(f"{view.name}: a queue policy of the default priority level is not modelled")
     return BatcherConfig(
         max_batch_size=view.max_batch_size, preferred_batch_sizes=view.preferred_batch_sizes,
         max_queue_delay_us=view.max_queue_delay_us,

@@ -70,16 +70,21 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests get to finish on shutdown (default 30)")
     parser.add_argument("--log-verbose", type=int, default=0,
                         help="tritonserver's --log-verbose level (default 0; 1 and up: detail per request)")
-    parser.add_argument("--response-cache-bytes", type=cache_bytes, default=DEFAULT_CACHE_BYTES, metavar="BYTES",
-                        help="size of Triton's local response cache, bytes (e.g. 67108864 or 64MiB; default "
-                             f"{DEFAULT_CACHE_BYTES >> 20} MiB; 0 = no cache): an image sent again is answered "
-                             "from it without running the models (docs/usage.md 'Traffic controls')")
+    add_cache_argument(parser)
     parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=True,
                         help="gRPC clients connect to the kit's guard, which never passes their deadlines or "
                              "cancellations on to tritonserver (Triton 2.51 crashes on them under load; "
                              "docs/reliability.md 'Deadlines and cancellation'); tritonserver's own gRPC then "
                              "listens on a free port of 127.0.0.1 (default: on; --no-grpc-guard exposes "
                              "tritonserver's gRPC on --grpc-port)")
+
+
+def add_cache_argument(parser: argparse.ArgumentParser, whose: str = "Triton's") -> None:
+    """--response-cache-bytes (serve, demo, fleet: `whose` says whose cache, e.g. "each replica's")."""
+    parser.add_argument("--response-cache-bytes", type=cache_bytes, default=DEFAULT_CACHE_BYTES, metavar="BYTES",
+                        help=f"size of {whose} local response cache, bytes (e.g. 67108864 or 64MiB; "
+                             f"default {DEFAULT_CACHE_BYTES >> 20} MiB; 0 = no cache): an image sent again is "
+                             "answered from it without running the models (docs/usage.md 'Traffic controls')")
 
 
 #: Size suffixes --response-cache-bytes accepts (powers of 1024).
