@@ -97,14 +97,15 @@ async def measure(args: argparse.Namespace, url: str, protocol: str, metrics_url
             return 2
         await client.check_priority(ENSEMBLE_MODEL, args.priority)  # ValueError: a level it does not serve
         before = {m: await asyncio.to_thread(model_counters, metrics_url, m) for m in BATCHED_MODELS}
-        cache_before = await asyncio.to_thread(cache_counters, metrics_url)
+        cached_before = await asyncio.to_thread(model_counters, metrics_url, ENSEMBLE_MODEL)
         started = time.perf_counter()
         latencies, failures = await run_pipeline(client, images, args.requests, args.rate,
                                                  args.max_in_flight, args.seed, args.priority)
         elapsed = time.perf_counter() - started
         retries = client.retries
     after = {m: await asyncio.to_thread(model_counters, metrics_url, m) for m in BATCHED_MODELS}
-    cache_after = await asyncio.to_thread(cache_counters, metrics_url)
+    cached_after = await asyncio.to_thread(model_counters, metrics_url, ENSEMBLE_MODEL)
+    cache = await asyncio.to_thread(cache_counters, metrics_url)
 
     print(f"{len(latencies)} answered, {failures} failed, {retries} queue-full retries, "
           f"in {elapsed:.2f} s = {len(latencies) / elapsed:.1f} requests/s "
@@ -117,20 +118,23 @@ async def measure(args: argparse.Namespace, url: str, protocol: str, metrics_url
                  for k in ("nv_inference_count", "nv_inference_exec_count")}
         print(f"server batches {model:<14} {delta['nv_inference_count']:.0f} inferences in "
               f"{delta['nv_inference_exec_count']:.0f} executions: average batch {average_batch_size(delta):.2f}")
-    print(cache_line(cache_before, cache_after))
+    print(cache_line(cached_before, cached_after, cache))
     return 1 if failures else 0
 
 
-def cache_line(before: dict[str, float], after: dict[str, float]) -> str:
-    """One line on the response cache between two observe.metrics.cache_counters readings: hits, misses,
-    hit ratio, entries and fill (nv_cache_util); or that the server runs without one."""
-    if not after:
+def cache_line(before: dict[str, float], after: dict[str, float], cache: dict[str, float]) -> str:
+    """One line on the response cache: the ensemble's hits and misses between two model_counters readings
+    (nv_cache_num_hits_per_model, ..._misses_...), its hit ratio, and the server's entries, fill
+    (nv_cache_util) and evictions from observe.metrics.cache_counters (refreshed every 2 s); or that the
+    server runs without a cache."""
+    if not cache:
         return "response cache: none on this server (serve --response-cache-bytes 0, or a server started without one)"
-    hits = after.get("num_hits", 0.0) - before.get("num_hits", 0.0)
-    misses = after.get("num_misses", 0.0) - before.get("num_misses", 0.0)
+    hits, misses = (after.get(name, 0.0) - before.get(name, 0.0)
+                    for name in ("nv_cache_num_hits_per_model", "nv_cache_num_misses_per_model"))
     ratio = f"{hits / (hits + misses):.2f}" if hits + misses else "-"
-    return (f"response cache: {hits:.0f} hits, {misses:.0f} misses (hit ratio {ratio}); {after.get('num_entries', 0):.0f} "
-            f"entries, {100 * after.get('util', 0.0):.2f} % of its size in use, {after.get('num_evictions', 0):.0f} evictions")
+    return (f"response cache: {hits:.0f} hits, {misses:.0f} misses (hit ratio {ratio}); {cache.get('num_entries', 0):.0f} "
+            f"entries, {100 * cache.get('util', 0.0):.2f} % of its size in use, {cache.get('num_evictions', 0):.0f} "
+            f"evictions (these three as of Triton's last 2-s refresh)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

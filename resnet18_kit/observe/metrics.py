@@ -46,8 +46,9 @@ def average_batch_size(counters: dict[str, float]) -> float:
 
 
 #: The local response cache's server-wide metrics (Triton 2.51, --cache-config local,...): hits, misses,
-#: lookups, entries, evictions (counts) and util (fraction of the cache's bytes in use, 0..1). An ensemble's
-#: own per-model cache metrics are never created (its hits are in the statistics extension instead).
+#: lookups, entries, evictions (counts) and util (fraction of the cache's bytes in use, 0..1). Triton
+#: refreshes them every --metrics-interval-ms (2 s); a cached model's own `nv_cache_num_hits_per_model` and
+#: `nv_cache_num_misses_per_model` (model_counters) count at once.
 CACHE_METRICS = ("nv_cache_num_hits", "nv_cache_num_misses", "nv_cache_num_lookups", "nv_cache_num_entries",
                  "nv_cache_num_evictions", "nv_cache_util")
 
