@@ -172,24 +172,42 @@ def test_a_server_without_the_cache_computes_every_request(uncached_server):
     assert int(model_statistics(uncached_server.http_url, ONNX_MODEL)["inference_count"]) - int(before) == 3
 
 
-@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def one_output_then_the_other(module, url: str, tag: str):
+    """A new image asked for `logits` only, then for `probabilities` only: the two results."""
+    client = module.InferenceServerClient(url)
+    image = traffic.unique(sample_photos()[1].read_bytes(), tag)
+    request = module.InferInput(IMAGE_INPUT, [1, 1], "BYTES")
+    request.set_data_from_numpy(np.array([[image]], dtype=np.object_))
+    try:
+        return (client.infer(ENSEMBLE_MODEL, [request], outputs=[module.InferRequestedOutput(LOGITS_OUTPUT)]),
+                client.infer(ENSEMBLE_MODEL, [request], outputs=[module.InferRequestedOutput(PROBABILITIES_OUTPUT)]))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc-straight-to-tritonserver"])
 def test_upstream_the_cache_key_ignores_the_requested_outputs(cached_server, module):
     """Triton 2.51's cache key is the model, its version and the inputs (core cache_manager.cc,
     TritonCache::Hash), not the outputs asked for: a request for `probabilities` answered from an entry a
     request for `logits` alone made gets `logits`. The kit's clients always ask for both (docs/usage.md)."""
-    url = cached_server.url("http" if module is httpclient else "grpc")
-    client = module.InferenceServerClient(url)
-    image = traffic.unique(sample_photos()[1].read_bytes(), f"outputs-{module.__name__}")
-    request = module.InferInput(IMAGE_INPUT, [1, 1], "BYTES")
-    request.set_data_from_numpy(np.array([[image]], dtype=np.object_))
-    try:
-        first = client.infer(ENSEMBLE_MODEL, [request], outputs=[module.InferRequestedOutput(LOGITS_OUTPUT)])
-        second = client.infer(ENSEMBLE_MODEL, [request], outputs=[module.InferRequestedOutput(PROBABILITIES_OUTPUT)])
-        assert first.as_numpy(LOGITS_OUTPUT) is not None
-        assert second.as_numpy(PROBABILITIES_OUTPUT) is None, "fixed upstream: drop the caveat in docs/usage.md"
-        assert np.array_equal(second.as_numpy(LOGITS_OUTPUT), first.as_numpy(LOGITS_OUTPUT))
-    finally:
-        client.close()
+    url = cached_server.http_url if module is httpclient else cached_server.triton_grpc_url
+    first, second = one_output_then_the_other(module, url, f"outputs-{module.__name__}")
+    assert first.as_numpy(LOGITS_OUTPUT) is not None
+    assert second.as_numpy(PROBABILITIES_OUTPUT) is None, "fixed upstream: drop the caveat in docs/usage.md"
+    assert np.array_equal(second.as_numpy(LOGITS_OUTPUT), first.as_numpy(LOGITS_OUTPUT))
+
+
+def test_through_the_guard_each_request_gets_the_outputs_it_asked_for(cached_server):
+    """serve's gRPC guard asks a cached model for every output and trims the answer: the second request is
+    answered from the cache (a hit) with `probabilities`, equal to the softmax of the first's logits."""
+    before = model_statistics(cached_server.http_url, ENSEMBLE_MODEL)["inference_stats"]["cache_hit"]["count"]
+    first, second = one_output_then_the_other(grpcclient, cached_server.grpc_url, "outputs-guard")
+    assert second.as_numpy(LOGITS_OUTPUT) is None and first.as_numpy(PROBABILITIES_OUTPUT) is None
+    logits = first.as_numpy(LOGITS_OUTPUT).astype(np.float64)
+    softmax = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    assert np.allclose(second.as_numpy(PROBABILITIES_OUTPUT), softmax, atol=1e-5)
+    after = model_statistics(cached_server.http_url, ENSEMBLE_MODEL)["inference_stats"]["cache_hit"]["count"]
+    assert int(after) - int(before) == 1
 
 
 # -- cancellation ---------------------------------------------------------------------------------------------

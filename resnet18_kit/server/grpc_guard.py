@@ -19,6 +19,9 @@ What the guard does: it listens where gRPC clients connect and forwards every ca
     for Triton's answer and drops it. A stream whose client goes away is half-closed upstream and read
     to its end;
   * a ModelInfer that arrives with its deadline already past is answered DEADLINE_EXCEEDED and not sent;
+  * a ModelInfer to a model with the response cache that asks for some of its outputs asks for all of
+    them upstream and gets its answer trimmed back (server.guard_requests: Triton 2.51's cache key
+    ignores the outputs asked for);
   * every other call (health, metadata, config, statistics, model control, shared memory) is forwarded
     byte for byte, with the client's metadata (the admin-key header included).
 Forwarded calls end when Triton answers; a wedged server is the supervisor's to restart
@@ -51,6 +54,8 @@ from pathlib import Path
 
 import grpc
 
+from resnet18_kit.server.guard_requests import (TIMEOUT_PARAMETER, CachedOutputs, set_timeout, trim,  # noqa: F401
+                                                widen, with_timeout)
 from resnet18_kit.server.config import PortBusyError
 from resnet18_kit.server.resources import busy_port
 
@@ -63,8 +68,6 @@ CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1), ("grpc.max_send_mess
 SERVER_OPTIONS = CHANNEL_OPTIONS + (("grpc.so_reuseport", 0),)
 #: Metadata keys that belong to the client's own connection and are not forwarded.
 HOP_BY_HOP = ("user-agent",)
-#: The request parameter Triton reads as the request's queue timeout (microseconds).
-TIMEOUT_PARAMETER = "timeout"
 
 
 @dataclass
@@ -75,20 +78,6 @@ class GuardCounts:
     client_gone: int = 0      # of those, calls whose client cancelled or timed out first: answer dropped
     expired_on_arrival: int = 0  # ModelInfer calls whose deadline had passed: answered, not forwarded
     streams_drained: int = 0  # streams whose client went away, read to their end upstream
-
-
-def with_timeout(raw_request: bytes, remaining_s: float | None) -> bytes:
-    """A serialized ModelInferRequest with `timeout` (microseconds) set to the client's remaining time,
-    or to the request's own timeout when that is smaller; unchanged without a deadline."""
-    if remaining_s is None:
-        return raw_request
-    from tritonclient.grpc import service_pb2
-
-    request = service_pb2.ModelInferRequest.FromString(raw_request)
-    remaining_us = max(1, int(remaining_s * 1e6))
-    own_us = request.parameters[TIMEOUT_PARAMETER].int64_param if TIMEOUT_PARAMETER in request.parameters else 0
-    request.parameters[TIMEOUT_PARAMETER].int64_param = min(own_us, remaining_us) if own_us > 0 else remaining_us
-    return request.SerializeToString()
 
 
 def _forwarded_metadata(context) -> tuple:
@@ -116,9 +105,11 @@ class GuardServer:
         self._server = None
         self._channel = None
         self._pending: set[asyncio.Task] = set()
+        self._cached: CachedOutputs | None = None
 
     async def start(self) -> None:
         self._channel = grpc.aio.insecure_channel(self.upstream, options=CHANNEL_OPTIONS)
+        self._cached = CachedOutputs(self._channel.unary_unary(f"/{SERVICE}/ModelConfig"))
         handlers = {}
         for method in _methods():
             path = f"/{SERVICE}/{method.name}"
@@ -160,16 +151,17 @@ class GuardServer:
 
     def _unary_handler(self, upstream, infer: bool):
         async def handle(raw_request: bytes, context):
-            remaining_s = context.time_remaining()
+            remaining_s, asked = context.time_remaining(), None
             if infer:
                 if remaining_s is not None and remaining_s <= 0:
                     self.counts.expired_on_arrival += 1
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was sent")
-                raw_request = with_timeout(raw_request, remaining_s)
+                raw_request, asked = await self._prepared(raw_request, remaining_s)
             self.counts.forwarded += 1
             call = self._keep(_awaited(upstream(raw_request, metadata=_forwarded_metadata(context))))
             try:
-                return await asyncio.shield(call)
+                answer = await asyncio.shield(call)
+                return trim(answer, asked) if asked else answer
             except asyncio.CancelledError:  # the client went: the forwarded call goes on, its answer dropped
                 self.counts.client_gone += 1
                 call.add_done_callback(_consume)
@@ -178,6 +170,19 @@ class GuardServer:
                 await context.abort(error.code(), error.details() or "",
                                     trailing_metadata=error.trailing_metadata() or ())
         return handle
+
+    async def _prepared(self, raw_request: bytes, remaining_s: float | None) -> tuple[bytes, list[str] | None]:
+        """A ModelInfer as it is sent on: its timeout set (with_timeout), every output asked for when its
+        model is cached (guard_requests.widen); and the outputs the client asked for (None: all it gets)."""
+        from tritonclient.grpc import service_pb2
+
+        request = service_pb2.ModelInferRequest.FromString(raw_request)
+        asked = widen(request, await self._cached.outputs_of(request.model_name))
+        if remaining_s is not None:
+            set_timeout(request, remaining_s)
+        elif asked is None:
+            return raw_request, None
+        return request.SerializeToString(), asked
 
     def _stream_handler(self, upstream):
         async def handle(request_iterator, context):
