@@ -7,10 +7,11 @@ response cache, and request cancellation, each against a server this command sta
 
 * priority: an interactive trickle (one photo every --interval-s, the kit's gRPC client, its own bytes so
   never a cache hit) alone, then a bulk flood (perf_analyzer, --concurrency requests of the sample photos
-  in flight to the `resnet18` ensemble at the default priority level) alone, with the trickle at priority
-  1 and with the trickle at the default level (what it gets without priority levels). Reports the
-  trickle's p50 / p99 / max, the flood's infer/s, and the network's execution time for a full batch (the
-  statistics extension, batch 16); the server runs without the response cache.
+  in flight to the `resnet18` ensemble at the default priority level, three --window-s windows) alone,
+  with the trickle at priority 1, with the trickle at the default level (what it gets without priority
+  levels) and alone again. Reports the trickle's p50 / p99 / max, the flood's infer/s, and the network's
+  execution time for a full batch (16 tensors on the idle server, from the statistics extension); the
+  server runs without the response cache.
 * cache: per sample photo, the latency computed (its bytes made unique: a miss) and answered from the
   cache (the same bytes again), over HTTP and over gRPC (the guard), both outputs asked for as `classify`
   does; the answers compared; the cache's counters and fill from the metrics port.
@@ -132,7 +133,7 @@ def full_batch_ms(config: ServerConfig, tries: int = 5) -> float:
 
 
 def priority_run(config: ServerConfig, photo_paths: list[Path], out: Path, concurrency: int = 32,
-                 window_s: float = 10.0, interval_s: float = 1.0, idle_requests: int = 40) -> dict:
+                 window_s: float = 10.0, interval_s: float = 0.4, idle_requests: int = 40) -> dict:
     """The priority scenario (module doc) against the running server of `config`; perf_analyzer's files
     under out/. The flood runs alone before and after the two runs with the trickle (the machine drifts).
     Returns {"idle", "bulk_alone", "with_priority", "without_priority", "bulk_alone_again",
