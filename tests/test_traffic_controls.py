@@ -24,6 +24,7 @@ from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.client.errors import RequestCancelledError
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import REPO_ROOT, ENSEMBLE_MODEL, IMAGE_INPUT, LOGITS_OUTPUT, ONNX_MODEL, PROBABILITIES_OUTPUT
+from resnet18_kit.load.photos import tagged
 from resnet18_kit.observe.metrics import cache_counters
 from resnet18_kit.observe.statistics import model_statistics
 from resnet18_kit.reliability import deadline_storm, deadlines
@@ -148,7 +149,7 @@ def test_the_cache_under_concurrent_load_answers_every_request_right(cached_serv
             async def one(index: int) -> bool:
                 async with slots:
                     which = index % len(photos)
-                    image = traffic.unique(photos[which], f"load-{(index // len(photos)) % 20}")
+                    image = tagged(photos[which], f"load-{(index // len(photos)) % 20}")
                     return (await aclient.classify([image], top_k=1))[0][0].class_index == expected[which]
             return await asyncio.gather(*(one(i) for i in range(600)))
     before = cache_counters(cached_server.metrics_url)
@@ -175,7 +176,7 @@ def test_a_server_without_the_cache_computes_every_request(uncached_server):
 def one_output_then_the_other(module, url: str, tag: str):
     """A new image asked for `logits` only, then for `probabilities` only: the two results."""
     client = module.InferenceServerClient(url)
-    image = traffic.unique(sample_photos()[1].read_bytes(), tag)
+    image = tagged(sample_photos()[1].read_bytes(), tag)
     request = module.InferInput(IMAGE_INPUT, [1, 1], "BYTES")
     request.set_data_from_numpy(np.array([[image]], dtype=np.object_))
     try:

@@ -110,14 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Measure (module doc); exit status 0, 2 for a bad command line or missing model files."""
     repository = settings.repository
-    problem = None
-    if repository.missing_artifacts():
-        problem = "model files missing: run `resnet18-kit export` first"
-    elif repository.unknown_variant(args.variant):
-        problem = repository.unknown_variant(args.variant)
-    elif args.served_repository is not None and not (args.served_repository / ONNX_MODEL).is_dir():
+    problem = ("model files missing: run `resnet18-kit export` first" if repository.missing_artifacts()
+               else repository.unknown_variant(args.variant))
+    if problem is None and args.served_repository is not None and not (args.served_repository / ONNX_MODEL).is_dir():
         problem = f"--served-repository: no model repository with {ONNX_MODEL} at {args.served_repository}"
-    elif args.seconds <= 0 or args.inprocess_s <= 0:
+    elif problem is None and (args.seconds <= 0 or args.inprocess_s <= 0):
         problem = "--seconds and --inprocess-s must be > 0"
     if problem:
         print(f"{PREFIX}: {problem}", file=sys.stderr)

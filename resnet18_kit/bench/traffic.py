@@ -43,11 +43,11 @@ from resnet18_kit.client.async_client import AsyncTritonClassifierClient
 from resnet18_kit.client.classifier import TritonClassifierClient, protocol_module
 from resnet18_kit.client.errors import RequestCancelledError
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.contract import (DEFAULT_VARIANT, ENSEMBLE_MODEL, IMAGE_INPUT, IMAGE_SHAPE, LOGITS_OUTPUT, ONNX_MODEL, PREPROCESS_MODEL,
-                                   PROBABILITIES_OUTPUT)
+from resnet18_kit.contract import (DEFAULT_VARIANT, ENSEMBLE_MODEL, IMAGE_INPUT, IMAGE_SHAPE, LOGITS_OUTPUT,
+                                   ONNX_MODEL, PREPROCESS_MODEL, PROBABILITIES_OUTPUT)
 from resnet18_kit.load.outcomes import percentile
 from resnet18_kit.load.perf_analyzer import LoadSpec, run_level
-from resnet18_kit.load.photos import write_input_data
+from resnet18_kit.load.photos import tagged, write_input_data
 from resnet18_kit.observe.metrics import cache_counters
 from resnet18_kit.observe.statistics import model_statistics
 from resnet18_kit.server.config import DEFAULT_CACHE_BYTES, ServerConfig, config_on_free_ports, free_ports
@@ -63,12 +63,6 @@ IDLE_INTERVAL_S = 0.1
 METRICS_REFRESH_S = 2.5
 #: The network's largest batch: the "one full batch" of the priority target.
 FULL_BATCH = 16
-
-
-def unique(photo: bytes, tag: str) -> bytes:
-    """`photo` with `tag` appended: decoders stop at the image's end marker, so it decodes to the same
-    pixels, while the response cache (a hash of the input bytes) sees a new input."""
-    return photo + tag.encode()
 
 
 def latency_summary_ms(latencies_s: list[float]) -> dict:
@@ -99,7 +93,7 @@ class Trickle(threading.Thread):
             sent = 0
             while not self._stop_event.is_set() and (not self.limit or sent < self.limit):
                 started = time.perf_counter()
-                image = unique(self.photos[sent % len(self.photos)], f"trickle-{sent}-{started}")
+                image = tagged(self.photos[sent % len(self.photos)], f"trickle-{sent}-{started}")
                 try:
                     client.classify([image], top_k=1, priority=self.priority)
                     self.latencies_s.append(time.perf_counter() - started)
@@ -187,9 +181,9 @@ def cache_run(config: ServerConfig, photo_paths: list[Path], computed_tries: int
         try:
             for number, path in enumerate(photo_paths):
                 photo = path.read_bytes()
-                computed = [_infer_both(client, module, unique(photo, f"{protocol}-{number}-{i}-{time.time()}"))
+                computed = [_infer_both(client, module, tagged(photo, f"{protocol}-{number}-{i}-{time.time()}"))
                             for i in range(computed_tries)]
-                repeated = unique(photo, f"{protocol}-{number}-repeated-{time.time()}")
+                repeated = tagged(photo, f"{protocol}-{number}-repeated-{time.time()}")
                 _, first = _infer_both(client, module, repeated)  # computed once, then cached
                 cached = [_infer_both(client, module, repeated) for _ in range(cached_tries)]
                 identical = all(np.array_equal(first[name], answer[name]) for _, answer in cached for name in first)
@@ -219,7 +213,7 @@ async def _cancel_round(url: str, photos: list[bytes], requests: int, cancelled:
         set_at: dict[int, float] = {}
 
         async def one(index: int):
-            image = unique(photos[index % len(photos)], f"cancel-{index}-{started}")
+            image = tagged(photos[index % len(photos)], f"cancel-{index}-{started}")
             try:
                 await client.classify([image], top_k=1, cancel=events[index])
                 return "answered", time.perf_counter() - started
@@ -351,10 +345,9 @@ def measure(settings: Settings, args: argparse.Namespace, out: Path) -> dict:
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Measure (module doc); exit status 0, 2 for a bad command line or missing model files."""
     problem = check_arguments(args)
-    if problem is None and settings.repository.missing_artifacts():
-        problem = "model files missing: run `resnet18-kit export` first"
-    elif problem is None:
-        problem = settings.repository.unknown_variant(args.variant)
+    if problem is None:
+        problem = ("model files missing: run `resnet18-kit export` first" if settings.repository.missing_artifacts()
+                   else settings.repository.unknown_variant(args.variant))
     if problem:
         print(f"{PREFIX}: {problem}", file=sys.stderr)
         return 2

@@ -134,8 +134,8 @@ class AsyncTritonClassifierClient(ClientCore):
                        deadline_s: float | None = None, priority: int = 0,
                        cancel: asyncio.Event | None = None) -> list[list[Prediction]]:
         """As `TritonClassifierClient.classify`; `cancel` (an asyncio.Event) works over HTTP too: the
-        request's connection is closed and Triton drops the request. Cancelling the task instead leaves
-        the request to finish unanswered (as a deadline does)."""
+        request's connection is closed and the caller freed (Triton 2.51 still computes the request).
+        Cancelling the task instead leaves the request to finish unanswered (as a deadline does)."""
         return await self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
 
     async def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,

@@ -34,10 +34,11 @@ level; a level the model does not serve is a ValueError (Triton would quietly se
 Cancellation: pass `cancel=` an event (threading.Event here, asyncio.Event for the asyncio client); setting
 it cancels the request and the call raises RequestCancelledError. Over gRPC the RPC is cancelled: the kit's
 gRPC guard answers the caller at once but lets tritonserver finish the request (a cancelled gRPC request
-crashes Triton 2.51 under load; fixed in 2.53), so only HTTP frees the server on 2.51: the asyncio HTTP
-client closes the request's connection and Triton drops the request from its queue, or the Python models
-skip it (`is_cancelled()`). The blocking HTTP client cannot cancel (tritonclient.http has no way to abort
-a request): ValueError. docs/usage.md "Traffic controls".
+crashes Triton 2.51 under load; fixed in 2.53); straight to a tritonserver, the server drops the request
+from its queues. The asyncio client's HTTP cancel closes the request's connection, which Triton 2.51
+ignores: it computes the request anyway. So the caller is always freed at once, the server only where
+Triton sees the cancellation. The blocking HTTP client cannot cancel (tritonclient.http has no way to
+abort a request): ValueError. docs/usage.md "Traffic controls".
 
 Shared memory (`shared_memory=True`): `infer_tensor` passes its input and output through system shared
 memory regions registered once per model (sized for its served max_batch_size) and unregistered on close

@@ -77,6 +77,13 @@ def photo_set(name: str, results_dir: Path) -> list[Path]:
     raise ValueError(f"unknown photo set {name!r} (one of {', '.join(PHOTO_SETS)})")
 
 
+def tagged(photo: bytes, tag: str) -> bytes:
+    """`photo` (an encoded image) with `tag` appended: its decoder stops at the image's end marker, so it
+    decodes to the same pixels, while Triton's response cache (a hash of the input bytes) sees a new input.
+    How the load generators keep requests from being answered from the cache."""
+    return photo + tag.encode()
+
+
 def serialize_bytes_element(data: bytes) -> bytes:
     """One BYTES tensor element in Triton's serialized layout: 4-byte little-endian length, then data."""
     return struct.pack("<I", len(data)) + data

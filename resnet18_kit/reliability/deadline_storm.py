@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from resnet18_kit.contract import ENSEMBLE_MODEL, IMAGE_INPUT, PROBABILITIES_OUTPUT
+from resnet18_kit.load.photos import tagged
 from resnet18_kit.reliability.loads import HANG_BOUND_S
 
 #: gRPC codes a storm's requests end with: answered, DEADLINE_EXCEEDED (the client gave up), UNAVAILABLE
@@ -44,9 +45,9 @@ class StormResult:
 
 
 def unique_photo(photos: list[bytes], index: int, seed: int) -> bytes:
-    """Photo `index` of a round (taken in turn) with bytes of its own appended, which its decoder ignores:
+    """Photo `index` of a round (taken in turn), tagged (load.photos.tagged) with the round and the index:
     no two requests of the storms share an input, so none is answered from a response cache."""
-    return photos[index % len(photos)] + f"storm-{seed}-{index}".encode()
+    return tagged(photos[index % len(photos)], f"storm-{seed}-{index}")
 
 
 def storm(grpc_url: str, photos: list[bytes], requests: int = 600, threads: int = 128,

@@ -6,8 +6,9 @@ into its row of the request's output batch (FP32 [N, 3, 224, 224]), so a corrupt
 fails only its own request, with INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT) and a message naming
 the problem; the other requests of the batch get their tensors.
 
-Cancellation: a request whose client has gone (HTTP disconnect, a cancelled gRPC call reaching the
-server) is answered CANCELLED before its images are decoded (`request.is_cancelled()`, one round trip to
+Cancellation: a request Triton marks cancelled (a gRPC call cancelled straight to tritonserver; on 2.51
+not an ensemble's step request, nor one whose HTTP client disconnected) is answered CANCELLED before its
+images are decoded (`request.is_cancelled()`, one round trip to
 the server, tens of microseconds, against milliseconds per image).
 """
 import json
