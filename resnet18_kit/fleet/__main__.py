@@ -61,9 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each replica's gRPC port is the kit's guard, which never passes a cancellation on to "
                              "tritonserver (HAProxy passes its clients' on; Triton 2.51 crashes on them under load); "
                              "tritonserver's own gRPC on the replica's port + 3 of 127.0.0.1 (default: on)")
-    from resnet18_kit.server.__main__ import add_cache_argument
+    from resnet18_kit.server.__main__ import add_cache_argument, add_model_control_argument
 
     add_cache_argument(parser, "each replica's")
+    add_model_control_argument(parser)
     parser.set_defaults(metrics_port=2)  # each replica's own: --replica-base-port + 2 + 10 (i - 1)
     parser.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS,
                         help=f"how many tritonservers (default {DEFAULT_REPLICAS})")

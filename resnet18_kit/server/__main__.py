@@ -20,6 +20,11 @@ A supervisor restarts tritonserver when it exits, when a Python-backend stub pro
 does not restart it; the model would fail every request while still reporting READY) or when it stops
 answering; after --max-restarts restarts within 10 minutes it gives up and exits 1.
 
+Swapping configs: with --model-control explicit (and $TRITON_ADMIN_KEY set), `resnet18-kit swap` loads
+another config into the running server while it serves (docs/model-repository.md "Swapping configs"). The
+supervisor follows: the stubs of a swapped model are replaced without a fault, and a restart after a
+fault puts back the configs that were serving.
+
 tritonserver's log goes to --server-log (default <results>/serve-tritonserver.log, emptied at each start of
 `serve`) and is shown here as it grows, except its CUDA messages on a machine without a usable GPU: one
 line says they are expected (the models run on the CPU) and where the full log is.
@@ -44,6 +49,7 @@ from resnet18_kit.settings import Settings, shown
 from resnet18_kit.server.config import (DEFAULT_CACHE_BYTES, MAX_CACHE_BYTES, ConfigurationError, ServerConfig,
                                         check_ports_free, free_ports)
 from resnet18_kit.server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, tritonserver_binary
+from resnet18_kit.server.model_control import MODEL_CONTROL_MODES
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
@@ -71,6 +77,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-verbose", type=int, default=0,
                         help="tritonserver's --log-verbose level (default 0; 1 and up: detail per request)")
     add_cache_argument(parser)
+    add_model_control_argument(parser)
     parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=True,
                         help="gRPC clients connect to the kit's guard, which never passes their deadlines or "
                              "cancellations on to tritonserver (Triton 2.51 crashes on them under load; "
@@ -85,6 +92,14 @@ def add_cache_argument(parser: argparse.ArgumentParser, whose: str = "Triton's")
                         help=f"size of {whose} local response cache, bytes (e.g. 67108864 or 64MiB; "
                              f"default {DEFAULT_CACHE_BYTES >> 20} MiB; 0 = no cache): an image sent again is "
                              "answered from it without running the models (docs/usage.md 'Traffic controls')")
+
+
+def add_model_control_argument(parser: argparse.ArgumentParser) -> None:
+    """--model-control (serve, demo, fleet)."""
+    parser.add_argument("--model-control", choices=MODEL_CONTROL_MODES, default="none",
+                        help="none (default): the configs loaded at start serve until the server stops; explicit: "
+                             "`resnet18-kit swap` can load another config into the running server (Triton's "
+                             f"model-control API, which then needs the admin key: ${ADMIN_KEY_ENV} must be set)")
 
 
 #: Size suffixes --response-cache-bytes accepts (powers of 1024).
@@ -108,7 +123,8 @@ def cache_bytes(text: str) -> int:
 
 
 class InsecureBindError(ValueError):
-    """--host names a non-loopback address and no admin key is set: refused (exit status 2)."""
+    """--host names a non-loopback address, or --model-control opens model control, and no admin key is
+    set: refused (exit status 2)."""
 
 
 def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict[str, str] | None = None
@@ -126,7 +142,13 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
                           model_config_name=args.model_config_name or None, exit_timeout_s=args.exit_timeout_s,
                           log_verbose=args.log_verbose, admin_key=admin_key,
                           response_cache_bytes=args.response_cache_bytes,
+                          model_control=getattr(args, "model_control", "none"),
                           triton_grpc_port=free_ports(1)[0] if args.grpc_guard else None)
+    if config.model_control != "none" and admin_key is None:
+        raise InsecureBindError(
+            f"serve: --model-control {config.model_control} needs an admin key, or anyone who can reach the server "
+            f"could load and unload models: set {ADMIN_KEY_ENV} (e.g. `export {ADMIN_KEY_ENV}=$(openssl rand -hex 16)`) "
+            f"and run again; `resnet18-kit swap` sends it")
     if not config.loopback_only:
         if admin_key is None:
             raise InsecureBindError(

@@ -50,6 +50,10 @@ class ServerConfig:
     #: Triton's local response cache (--cache-config local,size=N), bytes; 0 = no cache. Only models whose
     #: config says `response_cache { enable: true }` use it (the `resnet18` ensemble); DEFAULT_CACHE_BYTES.
     response_cache_bytes: int = 0
+    #: tritonserver's --model-control-mode: "none" (models load at start, nothing loads or unloads them) or
+    #: "explicit" (they load at start and the model-control API swaps their configs: server.model_control;
+    #: `serve` allows it only with an admin key, which that API then needs).
+    model_control: str = "none"
     #: When set, RESTRICTED_APIS need the header `admin-key: <admin_key>` (HTTP 403 without it, gRPC
     #: UNAVAILABLE). Kept out of repr() so the key does not end up in logs.
     admin_key: str | None = field(default=None, repr=False)

@@ -124,6 +124,8 @@ def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PR
         # Triton's local cache (libtritoncache_local.so, shipped in the wheel): LRU, held in this process.
         cmd += [f"--cache-directory={_pytriton_dir() / 'tritonserver' / 'caches'}",
                 f"--cache-config=local,size={config.response_cache_bytes}"]
+    if config.model_control == "explicit":  # every model of the repository at start, then swaps by API
+        cmd += ["--model-control-mode=explicit", "--load-model=*"]
     if config.model_config_name:
         cmd.append(f"--model-config-name={config.model_config_name}")
     if config.admin_key:
@@ -236,16 +238,24 @@ class EmbeddedTritonServer:
     def stub_processes(self) -> dict[str, int]:
         """The Python backend's stub processes of this server: {instance name: pid}, e.g.
         {"resnet18_onnx_0_0": 4242}. One per model instance; Triton 2.51 does not restart a stub that
-        died (its model stays READY and every request fails), so the supervisor watches these."""
+        died (its model stays READY and every request fails), so the supervisor watches these. While a
+        swap replaces a model's instances, a name has two stubs: stub_pids() lists both."""
+        return dict(self.stub_pids())
+
+    def stub_pids(self) -> list[tuple[str, int]]:
+        """Every model instance's stub process: (instance name, pid), sorted by pid; the short-lived stub
+        Triton starts for a whole model while it loads it (named after the model) is left out."""
         if not self.running:
-            return {}
-        stubs = {}
+            return []
+        models = {path.name for repository in (self.config.model_repository, *self.config.extra_model_repositories)
+                  if repository is not None for path in Path(repository).iterdir()}
+        stubs = []
         for pid, argv in child_processes(self.process.pid):
             # argv: stub, model.py, shm region, shm sizes (2), parent pid, backend dir, ipc size,
             # instance name, runtime ("DEFAULT")
-            if argv and Path(argv[0]).name == STUB_EXECUTABLE and len(argv) >= 3:
-                stubs[argv[-2]] = pid
-        return stubs
+            if argv and Path(argv[0]).name == STUB_EXECUTABLE and len(argv) >= 3 and argv[-2] not in models:
+                stubs.append((argv[-2], pid))
+        return sorted(stubs, key=lambda stub: stub[1])
 
     def resident_memory_bytes(self) -> dict[str, int]:
         """Resident memory (RSS) of tritonserver and of each stub: {"tritonserver": bytes,

@@ -29,6 +29,7 @@ server and `run` returns 0.
 """
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ from typing import Callable
 from resnet18_kit.observe.processes import process_alive
 from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError, StartCancelled
 from resnet18_kit.server.embedded import EmbeddedTritonServer
+from resnet18_kit.server.model_control import ModelControl, SwapError, SwapTarget, same_config, swap
 from resnet18_kit.server.overload import QueueWatch
 from resnet18_kit.server.probe import ProgressWatch, live
 from resnet18_kit.repository import ModelRepository
@@ -97,9 +99,15 @@ class Supervisor:
         self.events: list[SupervisorEvent] = []
         self.restarts = 0
         self._restart_times: list[float] = []
-        self._stubs: dict[str, int] = {}
-        #: The stub instances of the first start: a restarted server must run the same ones.
+        #: pid -> instance name of the stubs last seen, and the check round each pid was first seen in.
+        self._stubs: dict[int, str] = {}
+        self._first_seen: dict[int, int] = {}
+        self._round = 0
+        #: The stub instances serving before a restart: the restarted server must run the same ones.
         self._instances: set[str] | None = None
+        #: With model control: model -> the config each model served when last looked at (after the start
+        #: and whenever its stubs changed); a restart loads back those a swap had changed.
+        self._serving: dict[str, object] = {}
         self._last_live = 0.0
         self._origin = time.monotonic()
         self._queues = QueueWatch.for_config(config) if policy.queue_warnings else None
@@ -132,18 +140,20 @@ class Supervisor:
         stop = self._stop_request
         seconds = self.server.start(self.policy.ready_timeout_s,
                                     cancelled=None if stop is None else (lambda: stop.wait(0)))
-        self._stubs = self.server.stub_processes()
-        if self._instances is None:
-            self._instances = set(self._stubs)
-        elif not self._instances <= set(self._stubs):
-            missing = ", ".join(sorted(self._instances - set(self._stubs)))
+        put_back = self._put_back_swapped()
+        expected = self._instances
+        self._follow_stubs()
+        names = set(self._stubs.values())
+        if expected is not None and not expected <= names:
+            missing = ", ".join(sorted(expected - names))
             self.server.stop(drain_s=0)
             raise ConfigurationError(f"the restarted server lacks model instances {missing}: the model "
                                      f"repository changed under the running server ({self.config.model_repository})")
+        self._instances = names
         self._last_live = time.monotonic()
         self._start_probing()
         self._event("ready", f"tritonserver pid {self.server.process.pid} ready in {seconds:.1f} s, "
-                             f"{len(self._stubs)} stub processes")
+                             f"{len(names)} model instances{put_back}")
         return seconds
 
     def check(self) -> str | None:
@@ -151,9 +161,9 @@ class Supervisor:
         server = self.server
         if server.process.poll() is not None:
             return f"tritonserver exited with status {server.process.returncode}"
-        for instance, pid in self._stubs.items():
-            if not process_alive(pid):
-                return f"Python-backend stub of instance '{instance}' (pid {pid}) died"
+        dead = self._dead_stub()
+        if dead is not None:
+            return dead
         if self._is_live():
             self._last_live = time.monotonic()
         elif time.monotonic() - self._last_live > self.policy.unresponsive_after_s:
@@ -165,6 +175,86 @@ class Supervisor:
             for warning in self._queues.warnings(self.config.metrics_url):
                 self._event("overload", warning)
         return None
+
+    # -- stubs and swaps --------------------------------------------------------------------------------
+
+    def _follow_stubs(self) -> bool:
+        """Read the stubs now running into _stubs (and note when each pid was first seen); True when
+        they changed. After a change with model control on, the configs serving are read again."""
+        self._round += 1
+        current = {pid: name for name, pid in self.server.stub_pids()}
+        for pid in current:
+            self._first_seen.setdefault(pid, self._round)
+        changed = set(current) != set(self._stubs)
+        self._stubs = current
+        if changed:
+            self._instances = set(current.values())
+            self._note_serving()
+        return changed
+
+    def _dead_stub(self) -> str | None:
+        """Why the server must restart when a stub is gone that no swap accounts for, else None.
+
+        A swap (server.model_control) starts the new config's stubs beside the old ones and the old ones
+        exit once it serves (0.4 s apart at least, measured: the load, the warm-up and the ensemble's
+        reload lie between). So a stub that is gone is a swap's when another stub of the same instance name
+        was already running at an earlier check, or when the config now serving has no such instance;
+        otherwise it died, and a swap sent onto a model whose stub is dead restarts the server too."""
+        before = dict(self._stubs)
+        if not self._follow_stubs():
+            return None
+        for pid, name in before.items():
+            if pid in self._stubs or process_alive(pid) or self._replaced(pid, name):
+                continue
+            return f"Python-backend stub of instance '{name}' (pid {pid}) died"
+        return None
+
+    def _replaced(self, pid: int, name: str) -> bool:
+        """True when the stub `pid` of instance `name` left because a swap replaced or dropped it."""
+        if any(other != pid and other_name == name and self._first_seen[other] < self._round
+               for other, other_name in self._stubs.items()):
+            return True
+        return self.config.model_control == "explicit" and not self._instance_served(name)
+
+    def _instance_served(self, name: str) -> bool:
+        """True when the config the server runs now has instance `name` (or it cannot tell)."""
+        model = re.sub(r"_\d+_\d+$", "", name)  # "<model>_<group>_<instance>", Triton's default names
+        config = self._serving.get(model)
+        if config is None:
+            return True
+        groups = [(group.name or f"{model}_{i}", group.count) for i, group in enumerate(config.instance_group)]
+        return any(name == f"{group}_{j}" for group, count in groups for j in range(count))
+
+    def _note_serving(self) -> None:
+        """With model control: read every model's config from the server into _serving."""
+        if self.config.model_control != "explicit":
+            return
+        control = ModelControl(self.config.http_url, self.config.admin_key, timeout_s=5.0)
+        try:
+            self._serving = control.served_configs()
+        except SwapError as exc:
+            self._event("swap", f"could not read the configs serving: {exc}")
+        finally:
+            control.close()
+
+    def _put_back_swapped(self) -> str:
+        """After a restart with model control: load the configs a swap had changed before the fault
+        (server.model_control.swap); what the ready event adds about it."""
+        if self.config.model_control != "explicit" or not self._serving:
+            return ""
+        control = ModelControl(self.config.http_url, self.config.admin_key)
+        try:
+            now = control.served_configs()
+            targets = [SwapTarget(model, config, "the config serving before the restart")
+                       for model, config in self._serving.items() if model in now and not same_config(config, now[model])]
+            if not targets:
+                return ""
+            swap(control, targets)
+            return f"; swapped configs put back: {', '.join(t.model for t in targets)}"
+        except SwapError as exc:
+            return f"; could not put back the swapped configs ({exc}): the repository's configs serve"
+        finally:
+            control.close()
 
     def _start_probing(self) -> None:
         """A ProgressWatch for the server just started, and a thread that runs its rounds while that
