@@ -1,8 +1,8 @@
 """resnet18-kit swap: load another config into a running server (or every replica of a fleet) while it
 serves, and say what runs now.
 
-    resnet18-kit swap --model-config-name int8                 # the server at 127.0.0.1:8000
-    resnet18-kit swap --model-config-name default --url 10.0.0.5:8000
+    resnet18-kit swap --model-config-name int8                 # the server whose gRPC is 127.0.0.1:8001
+    resnet18-kit swap --model-config-name default --url 10.0.0.5:8001
     resnet18-kit swap --config my.pbtxt --model resnet18_onnx
     resnet18-kit swap --model-config-name int8 --fleet         # the fleet of this results folder, rolling
 
@@ -15,6 +15,9 @@ hold the same files as the server's.
 with --model-config-name NAME: <model>/configs/NAME.pbtxt, else config.pbtxt ("default": config.pbtxt
 everywhere); a model already serving that config is left as it is. --config FILE loads that file for the
 model it names (or --model).
+
+Model control goes over gRPC (--url: the server's gRPC address; through serve's gRPC guard too): Triton
+2.51's HTTP server would hold the HTTP requests of some connections until a load is done.
 
 What the server does (server.model_control): the new config's instances load and warm up beside the old
 ones, the ensemble is reloaded, and the old instances leave once their requests are answered; nothing
@@ -34,7 +37,8 @@ import os
 import sys
 from pathlib import Path
 
-from resnet18_kit.settings import ENV, Settings, shown
+from resnet18_kit.contract import DEFAULT_URLS
+from resnet18_kit.settings import Settings, shown
 from resnet18_kit.server.embedded import ADMIN_KEY_ENV
 from resnet18_kit.server.model_control import (DEFAULT_SWAP_TIMEOUT_S, ModelControl, SwapError, file_target, swap,
                                                variant_targets)
@@ -50,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", action="append", metavar="MODEL",
                         help="swap this model only (repeat for more; default: every model of the repository, or "
                              "the one --config names)")
-    parser.add_argument("--url", help=f"host:port of the server's HTTP endpoint (default 127.0.0.1:8000; ${ENV['url']})")
+    parser.add_argument("--url", help=f"host:port of the server's gRPC endpoint, where model control goes (default "
+                                     f"{DEFAULT_URLS['grpc']}; serve's --grpc-port)")
     parser.add_argument("--fleet", action="store_true",
                         help="swap every replica of the fleet running from this results folder (<results>/fleet), "
                              "one after another, each drained in HAProxy first")
@@ -61,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(settings: Settings, args: argparse.Namespace) -> int:
     """Swap (module doc); the exit status of the module doc."""
     admin_key = os.environ.get(ADMIN_KEY_ENV) or None
+    url = settings.url if args.url else DEFAULT_URLS["grpc"]  # settings.url: --url checked as host:port
     try:
         if args.timeout_s <= 0:
             raise SwapError(f"--timeout-s {args.timeout_s:g}: give a positive number of seconds")
@@ -82,7 +88,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
             replicas = swap_fleet(workdir, targets, admin_key, args.timeout_s, on_line=say)
             say(f"done: {len(replicas)} replicas swapped")
             return 0
-        control = ModelControl(settings.url, admin_key, args.timeout_s)
+        control = ModelControl(url, admin_key, args.timeout_s)
         try:
             outcomes = swap(control, targets, args.timeout_s, on_line=say)
         finally:
@@ -91,8 +97,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         say(str(exc))
         return exc.exit_status
     changed = [o.model for o in outcomes if o.changed]
-    say(f"done: {settings.url} serves the new config of {', '.join(changed)}" if changed
-        else f"done: {settings.url} already served these configs; nothing changed")
+    say(f"done: {url} serves the new config of {', '.join(changed)}" if changed
+        else f"done: {url} already served these configs; nothing changed")
     return 0
 
 

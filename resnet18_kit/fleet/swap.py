@@ -22,7 +22,7 @@ DRAIN_TIMEOUT_S = 30.0
 
 @dataclass
 class ReplicaSwap:
-    """One replica's swap: its name and HTTP address, the seconds of each step (drain, swap, rejoin) and
+    """One replica's swap: its name and gRPC address, the seconds of each step (drain, swap, rejoin) and
     the lines server.model_control.swap said for it."""
 
     name: str
@@ -32,17 +32,18 @@ class ReplicaSwap:
 
 
 def fleet_replicas(workdir: Path) -> list[tuple[str, str]]:
-    """(replica name, HTTP host:port) of each replica in the servers file of the fleet in `workdir`
-    (fleet.haproxy.servers_file); SwapError when there is none."""
+    """(replica name, gRPC host:port) of each replica in the servers file of the fleet in `workdir`
+    (fleet.haproxy.servers_file; model control goes over gRPC: server.model_control.ModelControl);
+    SwapError when there is none."""
     path = Path(workdir) / "servers.cfg"
     try:
         text = path.read_text()
     except OSError:
         raise SwapError(f"no fleet in {workdir}: {path.name} is missing (start one with `resnet18-kit fleet`)") from None
-    section = text.split(f"backend {BACKENDS['http']}", 1)[-1].split("backend ", 1)[0]
+    section = text.split(f"backend {BACKENDS['grpc']}", 1)[-1].split("backend ", 1)[0]
     replicas = re.findall(r"^\s*server\s+(\S+)\s+(\S+)", section, flags=re.MULTILINE)
     if not replicas:
-        raise SwapError(f"{path}: no replica in backend {BACKENDS['http']}")
+        raise SwapError(f"{path}: no replica in backend {BACKENDS['grpc']}")
     return replicas
 
 

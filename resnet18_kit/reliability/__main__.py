@@ -13,6 +13,7 @@ docs/reliability.md (also written as JSON under <results>/reliability/<time>/):
     resnet18-kit reliability run --scenario lifecycle              # the fault matrix, about 2 minutes
     resnet18-kit reliability run --scenario stops --stops 30       # `make serve` stopped 30 times
     resnet18-kit reliability run --scenario fleet                  # replicas behind HAProxy, about 3 minutes
+    resnet18-kit reliability run --scenario swap                   # config swaps under load, about 90 s
     resnet18-kit reliability soak                                  # 10 minutes at 80 % of capacity
     resnet18-kit reliability soak --minutes 1 --load 0.5
 
@@ -45,12 +46,13 @@ from resnet18_kit.settings import Settings, shown
 log = logging.getLogger(__name__)
 
 SCENARIOS = ("burst", "refusal", "timeout", "readiness", "bad-input", "stub-kill", "crash-request", "sigterm",
-             "security", "wedge", "lifecycle", "stops", "fleet", "deadlines")
+             "security", "wedge", "lifecycle", "stops", "fleet", "deadlines", "swap")
 #: Run only when named: `make serve` started and stopped --stops times (about 12 s a round); the fleet's
 #: scenarios (about 3 minutes: fleets of 2 and 3 replicas behind HAProxy, reliability.fleet_scenarios);
 #: short gRPC deadlines under overload, with and without the guard, and the kit's classify
-#: (reliability.deadlines; about 15 minutes at 20 rounds and runs).
-ON_REQUEST = ("stops", "fleet", "deadlines")
+#: (reliability.deadlines; about 15 minutes at 20 rounds and runs); config swaps under load on one server
+#: and a fleet of 3 (reliability.swap_scenarios; about 90 s).
+ON_REQUEST = ("stops", "fleet", "deadlines", "swap")
 #: The scenarios that share one server of the shipped models and the reliability models.
 ON_ONE_SERVER = ("burst", "refusal", "timeout", "readiness", "bad-input")
 
@@ -139,6 +141,15 @@ def run_lifecycle(repository: Path, args, out_dir: Path, record: dict) -> list[s
         results = fleet_scenarios.run_all(repository, out_dir / "fleet")
         record["fleet"] = results
         tables.append(markdown_table([fleet_scenarios.table_cells(r) for r in results], fleet_scenarios.FLEET_COLUMNS))
+    if "swap" in args.scenario:
+        from resnet18_kit.reliability import swap_scenarios
+
+        results = [swap_scenarios.one_server(repository, out_dir / "swap-one"),
+                   swap_scenarios.fleet(repository, out_dir / "swap-fleet")]
+        record["swap"] = [{k: v for k, v in r.items() if k != "tallies"} | {"tallies": [t.row() for t in r["tallies"]]}
+                          for r in results]
+        tables.append(markdown_table([row for r in results for row in swap_scenarios.table_rows(r)],
+                                     swap_scenarios.SWAP_COLUMNS))
     if "deadlines" in args.scenario:
         from resnet18_kit.client.samples import sample_photos
 

@@ -50,6 +50,8 @@ class Tally:
     retried: int = 0
     tries: dict[str, list[float]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    #: (time.monotonic() when it was answered, latency in ms) of every answered try, in order.
+    answered_at: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def lost(self) -> int:
@@ -122,6 +124,8 @@ class FleetLoad:
     def _record_try(self, kind: str, latency_s: float) -> None:
         with self._lock:
             self.tally.tries.setdefault(kind, []).append(latency_s * 1000)
+            if kind == "answered":
+                self.tally.answered_at.append((time.monotonic(), latency_s * 1000))
 
     def _one(self, client, index: int) -> str:
         """Send request `index` until it has an outcome; returns "answered", "refused" or "failed"."""

@@ -229,7 +229,7 @@ class Supervisor:
         """With model control: read every model's config from the server into _serving."""
         if self.config.model_control != "explicit":
             return
-        control = ModelControl(self.config.http_url, self.config.admin_key, timeout_s=5.0)
+        control = ModelControl(self.config.triton_grpc_url, self.config.admin_key, timeout_s=5.0)
         try:
             self._serving = control.served_configs()
         except SwapError as exc:
@@ -242,7 +242,7 @@ class Supervisor:
         (server.model_control.swap); what the ready event adds about it."""
         if self.config.model_control != "explicit" or not self._serving:
             return ""
-        control = ModelControl(self.config.http_url, self.config.admin_key)
+        control = ModelControl(self.config.triton_grpc_url, self.config.admin_key)
         try:
             now = control.served_configs()
             targets = [SwapTarget(model, config, "the config serving before the restart")

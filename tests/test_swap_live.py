@@ -1,0 +1,163 @@
+"""Swapping configs on a running server and fleet (docs/model-repository.md "Swapping configs"): under
+constant load nothing fails or is lost; every failed swap leaves the previous config answering every
+request sent during it; the supervisor follows a swap and still restarts a server whose stub dies after one.
+`pytest -s` prints each run's figures (reliability.swap_scenarios, `resnet18-kit reliability run
+--scenario swap`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL
+from resnet18_kit.reliability import swap_scenarios
+from resnet18_kit.reliability.fleet_load import FleetLoad
+from resnet18_kit.reliability.loads import ensemble_load, reference_answers
+from resnet18_kit.server.config import config_on_free_ports, free_ports
+from resnet18_kit.server.model_control import ModelControl, swap, variant_targets
+from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
+
+KEY = "swap-test-key"
+
+
+def show(result: dict) -> None:
+    print("\n" + json.dumps({k: v for k, v in result.items() if k != "tallies"} |
+                            {"tallies": [t.row() for t in result["tallies"]]}, default=str), flush=True)
+
+
+def assert_nothing_failed(result: dict) -> None:
+    for protocol, tally in zip(("http", "grpc"), result["tallies"]):
+        assert tally.answered > 20, (protocol, tally.row())
+        assert (tally.failed, tally.lost, tally.refused) == (0, 0, 0), (protocol, tally.row(), tally.errors)
+    assert result["faults"] == []  # a swap's stubs leaving is not a fault
+    assert len(result["swap_s"]) == len(swap_scenarios.SWAPS)
+
+
+def test_a_live_swap_under_load_fails_nothing(repository, tmp_path):
+    """default -> int8 -> default on one supervised server under HTTP and gRPC load through the ensemble."""
+    result = swap_scenarios.one_server(repository.root, tmp_path, before_s=3.0, after_s=2.0)
+    show(result)
+    assert_nothing_failed(result)
+
+
+def test_a_rolling_swap_of_a_fleet_fails_nothing_for_a_client_that_never_retries(repository, tmp_path):
+    """The same on a fleet of 3, each replica drained in HAProxy, swapped and put back in turn."""
+    result = swap_scenarios.fleet(repository.root, tmp_path, replicas=3, before_s=3.0, after_s=2.0)
+    show(result)
+    assert_nothing_failed(result)
+
+
+@pytest.fixture(scope="module")
+def swappable(repository, tmp_path_factory):
+    """A supervised server with model control (as `serve --model-control explicit` runs one)."""
+    config = config_on_free_ports(model_repository=repository.root, model_control="explicit", admin_key=KEY,
+                                  triton_grpc_port=free_ports(1)[0])
+    supervisor = Supervisor(config, SupervisorPolicy(queue_warnings=False),
+                            log_path=tmp_path_factory.mktemp("swappable") / "tritonserver.log",
+                            on_event=lambda event: None)
+    supervisor.start()
+    try:
+        yield supervisor
+    finally:
+        supervisor.stop()
+
+
+def swap_command(config, *args: str, key: str | None = KEY) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"} | ({"TRITON_ADMIN_KEY": key} if key else {})
+    return subprocess.run([sys.executable, "-m", "resnet18_kit", "swap", "--url", config.grpc_url, *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def runtime(config) -> str:
+    control = ModelControl(config.grpc_url, KEY)
+    try:
+        return control.served_config(ONNX_MODEL).parameters["model_filename"].string_value
+    finally:
+        control.close()
+
+
+def test_a_failed_swap_changes_nothing_and_the_old_config_answers_throughout(swappable, repository, tmp_path):
+    """Each bad swap: one line naming the problem, a non-zero exit, resnet18_onnx still on model.onnx, and
+    every request sent meanwhile (HTTP and gRPC, through the ensemble) answered by it."""
+    config = swappable.config
+    source = repository.config_path(ONNX_MODEL).read_text()
+    small = tmp_path / "small.pbtxt"
+    small.write_text(source.replace("max_batch_size: 16", "max_batch_size: 8"))
+    renamed = tmp_path / "renamed.pbtxt"
+    renamed.write_text(source.replace('name: "logits"', 'name: "scores"'))
+    missing = tmp_path / "missing.pbtxt"
+    missing.write_text(source.replace('"model.onnx"', '"absent.onnx"'))
+    cases = [  # (arguments, key, exit status, what the line names)
+        (["--model-config-name", "nope"], KEY, 2, "no model"),
+        (["--config", str(small)], KEY, 2, "max_batch_size 8, but ensemble 'resnet18'"),
+        (["--config", str(renamed)], KEY, 2, "output 'logits', which this config lacks"),
+        (["--config", str(missing)], KEY, 1, "absent.onnx"),
+        (["--model-config-name", "int8"], None, 2, "TRITON_ADMIN_KEY is not set"),
+        (["--model-config-name", "int8"], "wrong-key", 1, "admin key is missing or wrong"),
+    ]
+    load = reference_answers(config, ensemble_load())
+    with FleetLoad(config, "http", load, workers=1, retry=False) as http, \
+            FleetLoad(config, "grpc", load, workers=2, retry=False) as grpc:
+        for args, key, status, named in cases:
+            done = swap_command(config, *args, key=key)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == status, (args, done.stderr)
+            assert len(lines) == 1 and named in lines[0] and "Traceback" not in done.stderr, (args, done.stderr)
+            assert runtime(config) == "model.onnx", args
+        time.sleep(1.0)
+    for tally in (http.tally, grpc.tally):
+        assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), (tally.row(), tally.errors)
+    control = ModelControl(config.grpc_url, KEY)
+    try:
+        assert control.ready(ENSEMBLE_MODEL)
+    finally:
+        control.close()
+
+
+def test_after_a_swap_a_dead_stub_still_restarts_the_server_which_keeps_the_swapped_config(swappable, repository):
+    """Swap to int8, kill one of its new stubs: the supervisor counts the swap's stubs leaving as no fault,
+    the killed one as a fault, restarts the server and loads int8 back; requests are answered again."""
+    config = swappable.config
+    done = swap_command(config, "--model-config-name", "int8")
+    assert done.returncode == 0, done.stderr
+    assert "resnet18_onnx: now serving python (openvino, model.int8.onnx)" in done.stderr
+    assert runtime(config) == "model.int8.onnx"
+    deadline = time.monotonic() + 30  # the old instances leave once their requests are done
+    while len(swappable.server.stub_pids()) != len(swappable.server.stub_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    faults_before = sum(e.kind == "fault" for e in swappable.events)
+    assert faults_before == 0
+    os.kill(swappable.server.stub_processes()[f"{ONNX_MODEL}_0_0"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not any(e.kind == "ready" and "swapped configs put back: resnet18_onnx" in e.detail for e in swappable.events):
+        assert time.monotonic() < deadline, [e.detail for e in swappable.events]
+        time.sleep(0.2)
+    assert [e.detail for e in swappable.events if e.kind == "fault"][0].startswith(
+        f"Python-backend stub of instance '{ONNX_MODEL}_0_0'")
+    assert runtime(config) == "model.int8.onnx"
+    load = ensemble_load()
+    tally = FleetLoad(config, "grpc", load, workers=1, retry=False, limit=10).start().wait()
+    assert tally.answered == 10, tally.errors
+    control = ModelControl(config.grpc_url, KEY)
+    try:
+        swap(control, variant_targets(repository, "default"))
+    finally:
+        control.close()
+    assert runtime(config) == "model.onnx"
+
+
+def test_serve_refuses_model_control_without_an_admin_key(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"}
+    done = subprocess.run([sys.executable, "-m", "resnet18_kit", "--results", str(tmp_path), "serve",
+                           "--model-control", "explicit", "--check"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "--model-control explicit needs an admin key" in done.stderr
