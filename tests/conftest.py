@@ -83,6 +83,36 @@ def reliability_repository() -> Path:
     return RELIABILITY_REPOSITORY
 
 
+@pytest.fixture(scope="session")
+def engine():
+    """A Docker engine: the user's, else the checkout's private dockerd (resnet18_kit/containers/engine.py),
+    started here and stopped at the end of the session, nothing left."""
+    from resnet18_kit.containers.__main__ import private_engine
+    from resnet18_kit.containers.engine import users_engine
+
+    users = users_engine()
+    if users is not None:
+        yield users
+        return
+    private = private_engine()
+    started_here = private.pid() is None
+    yield private.start()
+    if started_here:
+        assert private.stop()
+        assert private.pid() is None and not private.run_dir.exists()
+
+
+@pytest.fixture(scope="session")
+def images(engine):
+    """The CPU images of docker-compose.yaml (cached by the engine: seconds when nothing changed)."""
+    from resnet18_kit.containers.image import IMAGES, ImageBuild
+    from resnet18_kit.contract import REPO_ROOT
+
+    report = ImageBuild(engine, REPO_ROOT, names=tuple(IMAGES)).run()
+    print("\n" + "\n".join(f"image build: {line}" for line in report.lines()), flush=True)
+    return report
+
+
 @pytest.fixture(params=PROTOCOLS)
 def protocol(request) -> str:
     return request.param

@@ -1,8 +1,8 @@
 """docker-compose.yaml for real: the CPU images built from PyPI's wheels, the stack started, loaded, stopped,
 crashed and broken on a Docker engine, every request accounted for.
 
-The engine is the user's (DOCKER_HOST, or Docker's default socket) when one answers, else a private
-dockerd of the checkout (resnet18_kit/containers/engine.py: its own socket, data root, exec root and
+The engine (the `engine` and `images` fixtures of conftest.py) is the user's (DOCKER_HOST, or Docker's
+default socket) when one answers, else a private dockerd of the checkout (resnet18_kit/containers/engine.py: its own socket, data root, exec root and
 pidfile; its image cache in build/docker/ survives between runs), stopped by its pid at the end. Every
 project here has its own name and free ports on 127.0.0.1, and `down` removes it. The figures (time to
 healthy, counts, times back) are printed: `pytest -s tests/test_compose_live.py` shows them.
@@ -26,10 +26,9 @@ import yaml
 
 from resnet18_kit.client.classifier import TritonClassifierClient
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.containers.__main__ import private_engine
 from resnet18_kit.containers.compose import ComposePorts, ComposeProject
-from resnet18_kit.containers.engine import Engine, users_engine
-from resnet18_kit.containers.image import IMAGE_TORCH, IMAGES, ImageBuild
+from resnet18_kit.containers.engine import Engine
+from resnet18_kit.containers.image import IMAGE_TORCH, IMAGES
 from resnet18_kit.contract import ENSEMBLE_MODEL, REPO_ROOT, TORCHSCRIPT_MODEL
 from resnet18_kit.reliability.fleet_load import FleetLoad, Tally
 from resnet18_kit.reliability.loads import ensemble_load, onnx_load, reference_answers
@@ -39,29 +38,6 @@ ADMIN_KEY = "compose-test-admin-key"
 GRACE_S = 40.0
 #: Seconds a replica or container may take to come back after its process was killed.
 BACK_WITHIN_S = 90.0
-
-
-@pytest.fixture(scope="module")
-def engine():
-    """The user's engine, else the checkout's private dockerd (stopped at the end, nothing left)."""
-    users = users_engine()
-    if users is not None:
-        yield users
-        return
-    private = private_engine()
-    started_here = private.pid() is None
-    yield private.start()
-    if started_here:
-        assert private.stop()
-        assert private.pid() is None and not private.run_dir.exists()
-
-
-@pytest.fixture(scope="module")
-def images(engine):
-    """The three CPU images (cached by the engine: seconds when nothing changed)."""
-    report = ImageBuild(engine, REPO_ROOT, names=tuple(IMAGES)).run()
-    print("\n" + "\n".join(f"image build: {line}" for line in report.lines()), flush=True)
-    return report
 
 
 def new_project(engine, tag: str, **options) -> ComposeProject:

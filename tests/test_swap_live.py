@@ -161,3 +161,45 @@ def test_serve_refuses_model_control_without_an_admin_key(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "--model-control explicit needs an admin key" in done.stderr
+
+
+def test_triton_251_answers_an_image_seen_before_a_swap_from_its_cache_with_the_old_config(repository, tmp_path):
+    """Triton 2.51 keys the response cache by model, version and inputs, not config: after a swap to int8 a
+    photo the ensemble answered before is answered with the default config's logits, a new photo with
+    int8's. The swap says so (stale_cache_note)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from resnet18_kit.load.photos import tagged
+    from resnet18_kit.server.config import DEFAULT_CACHE_BYTES
+    from resnet18_kit.server.embedded import EmbeddedTritonServer
+
+    config = config_on_free_ports(model_repository=repository.root, model_control="explicit", admin_key=KEY,
+                                  response_cache_bytes=DEFAULT_CACHE_BYTES)
+    photo = sample_photo_bytes()
+    with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log"):
+        client = grpcclient.InferenceServerClient(config.grpc_url)
+
+        def logits(image: bytes) -> np.ndarray:
+            request = grpcclient.InferInput("image", [1, 1], "BYTES")
+            request.set_data_from_numpy(np.array([[image]], dtype=np.object_))
+            return client.infer(ENSEMBLE_MODEL, [request]).as_numpy("logits")
+
+        before, fresh_before = logits(photo), logits(tagged(photo, "fresh-before"))
+        control, lines = ModelControl(config.grpc_url, KEY), []
+        try:
+            swap(control, variant_targets(repository, "int8"), on_line=lines.append)
+            after, fresh_after = logits(photo), logits(tagged(photo, "fresh-after"))
+            swap(control, variant_targets(repository, "default"))
+        finally:
+            control.close()
+            client.close()
+    np.testing.assert_array_equal(after, before)  # from the cache: the default config's answer
+    assert not np.allclose(fresh_after, fresh_before, rtol=1e-4, atol=1e-4)  # computed by int8
+    assert any("response cache of resnet18 still answers" in line for line in lines), lines
+
+
+def sample_photo_bytes() -> bytes:
+    from resnet18_kit.client.samples import sample_photos
+
+    return sample_photos()[0].read_bytes()

@@ -8,7 +8,8 @@ of the int8 config to that photo alone (both read before the load starts). The s
 response cache, so every request runs the models (a cached answer would hide the swap).
 
 Each run returns the counts per protocol (sent / answered / refused / failed / lost), each swap's seconds
-(from the load request until every model and the ensemble serve the new config), the throughput (answers
+(from the load request until every model and the ensemble serve the new config; the same swaps with no load
+first: one model load and warm-up each), the throughput (answers
 per second) and p99 latency before the first swap and while the swaps ran, the supervisors' faults (a swap
 is not one), and the peak resident memory of tritonserver and its stubs before and during the swaps.
 `resnet18-kit reliability run --scenario swap` prints them; tests/test_swap_live.py asserts the targets.
@@ -67,14 +68,19 @@ class PeakMemory:
         self._thread.join()
 
 
-def right_answers(config: ServerConfig, control: ModelControl, repository: ModelRepository) -> TensorLoad:
+def right_answers(config: ServerConfig, control: ModelControl, repository: ModelRepository
+                  ) -> tuple[TensorLoad, list[float]]:
     """The ensemble load with the server's answers under the default config and, swapped there and back
-    first, under int8 (also_expected)."""
-    load = reference_answers(config, ensemble_load())
-    swap(control, variant_targets(repository, "int8"))
-    load.also_expected = [reference_answers(config, ensemble_load()).expected]
-    swap(control, variant_targets(repository, "default"))
-    return load
+    first with no load (one model load and warm-up each), under int8 (also_expected); and the seconds of
+    those two idle swaps."""
+    load, idle_s = reference_answers(config, ensemble_load()), []
+    for variant in SWAPS:
+        started = time.monotonic()
+        swap(control, variant_targets(repository, variant))
+        idle_s.append(time.monotonic() - started)
+        if variant != "default":
+            load.also_expected.append(reference_answers(config, ensemble_load()).expected)
+    return load, idle_s
 
 
 def phase_figures(tally: Tally, before: tuple[float, float], during: tuple[float, float]) -> dict:
@@ -118,17 +124,20 @@ def one_server(repository: Path, workdir: Path, before_s: float = 5.0, after_s: 
                                   triton_grpc_port=free_ports(1)[0])
     supervisor = Supervisor(config, SupervisorPolicy(queue_warnings=False), log_path=workdir / "tritonserver.log",
                             on_event=lambda event: None)
+    started = time.monotonic()
     supervisor.start()
+    start_s = time.monotonic() - started  # the cost of a swap by restart: every model loaded and warmed up
     control = ModelControl(config.grpc_url, key)
     try:
         files = ModelRepository(repository)
-        load = right_answers(config, control, files)
+        load, idle_s = right_answers(config, control, files)
         result = _run_swaps(config, load, lambda variant: swap(control, variant_targets(files, variant)),
                             lambda: [supervisor.server], before_s, after_s)
     finally:
         control.close()
         supervisor.stop()
-    result.update(case="one server", faults=[e.detail for e in supervisor.events if e.kind == "fault"])
+    result.update(case="one server", faults=[e.detail for e in supervisor.events if e.kind == "fault"],
+                  idle_swap_s=idle_s, start_s=start_s)
     return result
 
 
@@ -141,7 +150,7 @@ def fleet(repository: Path, workdir: Path, replicas: int = 3, before_s: float = 
         first = running.config.replicas[0]
         control = ModelControl(first.grpc_url, key)
         try:
-            load = right_answers(first, control, files)
+            load, idle_s = right_answers(first, control, files)
         finally:
             control.close()
         result = _run_swaps(running.config.front.server_config(), load,
@@ -149,13 +158,14 @@ def fleet(repository: Path, workdir: Path, replicas: int = 3, before_s: float = 
                             lambda: [s.server if s is not None else None for s in running.supervisors],
                             before_s, after_s)
         faults = [e.detail for s in running.supervisors if s is not None for e in s.events if e.kind == "fault"]
-    result.update(case=f"fleet of {replicas}", faults=faults)
+    result.update(case=f"fleet of {replicas}", faults=faults, idle_swap_s=idle_s)
     return result
 
 
 def table_rows(result: dict) -> list[list]:
     """The HTTP and gRPC rows of a run as the cells of SWAP_COLUMNS."""
-    swaps = " / ".join(f"{s:.1f}" for s in result["swap_s"])
+    swaps = (" / ".join(f"{s:.1f}" for s in result["swap_s"]) + " (idle, one server: "
+             + " / ".join(f"{s:.1f}" for s in result["idle_swap_s"]) + ")")
     memory = (f"{max(result['memory_before_bytes']) / 2**30:.2f} / {max(result['memory_during_bytes']) / 2**30:.2f} GiB"
               " (largest server)")
     rows = []

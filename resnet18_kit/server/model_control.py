@@ -258,7 +258,25 @@ def swap(control: ModelControl, targets: list[SwapTarget], timeout_s: float = DE
         done.append((target.model, previous))
         on_line(f"{target.model}: {'now serving' if outcomes[-1].changed else 'unchanged, serving'} "
                 f"{outcomes[-1].serving} ({outcomes[-1].seconds:.1f} s)")
+    note = stale_cache_note(served, outcomes)
+    if note:
+        on_line(note)
     return outcomes
+
+
+def stale_cache_note(served: dict, outcomes: list[SwapOutcome]) -> str | None:
+    """What to tell the user when a swapped model is a step of an ensemble with a response cache: Triton
+    2.51 keys a cached answer by model, version and inputs, not config, so an image the ensemble answered
+    before the swap is answered from the cache with the previous config's answer (reproduced in
+    tests/test_swap_live.py) until the cache evicts it or the server restarts. None otherwise."""
+    changed = {outcome.model for outcome in outcomes if outcome.changed}
+    cached = sorted(name for name, config in served.items() if config.response_cache.enable and (
+        name in changed or {step.model_name for step in config.ensemble_scheduling.step} & changed))
+    if not cached:
+        return None
+    return (f"note: the response cache of {', '.join(cached)} still answers inputs it saw before this swap with the "
+            "previous config's answers (Triton 2.51 keys a cached answer by model, version and inputs, not config) "
+            "until it evicts them; a restart empties it")
 
 
 def _wait_ready(control: ModelControl, models: list[str], deadline: float) -> None:
