@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model-config-name", metavar="NAME",
                       help="the variant to serve: <model>/configs/NAME.pbtxt where present, else config.pbtxt "
-                           "(default: config.pbtxt everywhere)")
+                           "(\"default\": config.pbtxt everywhere)")
     what.add_argument("--config", type=Path, metavar="FILE", help="a config file (config.pbtxt syntax) to load")
     parser.add_argument("--model", action="append", metavar="MODEL",
                         help="swap this model only (repeat for more; default: every model of the repository, or "
@@ -88,11 +88,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
             replicas = swap_fleet(workdir, targets, admin_key, args.timeout_s, on_line=say)
             say(f"done: {len(replicas)} replicas swapped")
             return 0
-        control = ModelControl(url, admin_key, args.timeout_s)
-        try:
+        with ModelControl(url, admin_key, args.timeout_s) as control:
             outcomes = swap(control, targets, args.timeout_s, on_line=say)
-        finally:
-            control.close()
     except SwapError as exc:
         say(str(exc))
         return exc.exit_status

@@ -30,24 +30,18 @@ def loads_with_both_answers(config, repository) -> list[FleetLoad]:
     """Photos through the ensemble over HTTP and tensors to resnet18_onnx over gRPC (the cache never answers
     those), each answer right under the default or the int8 config."""
     photos, tensors = reference_answers(config, ensemble_load()), reference_answers(config, onnx_load(4))
-    control = ModelControl(config.grpc_url, KEY)
-    try:
+    with ModelControl(config.grpc_url, KEY) as control:
         swap(control, variant_targets(repository, "int8"))
         photos.also_expected = [reference_answers(config, ensemble_load()).expected]
         tensors.also_expected = [reference_answers(config, onnx_load(4)).expected]
         swap(control, variant_targets(repository, "default"))
-    finally:
-        control.close()
     return [FleetLoad(config, "http", photos, workers=1, retry=False, pause_s=0.002),
             FleetLoad(config, "grpc", tensors, workers=2, retry=False, pause_s=0.002)]
 
 
 def serving(config) -> str:
-    control = ModelControl(config.grpc_url, KEY)
-    try:
+    with ModelControl(config.grpc_url, KEY) as control:
         return control.served_config(ONNX_MODEL).parameters["model_filename"].string_value
-    finally:
-        control.close()
 
 
 def test_the_container_swaps_live_with_nothing_failed_and_a_re_create_costs_the_restart(engine, images, repository):

@@ -75,11 +75,8 @@ def swap_command(config, *args: str, key: str | None = KEY) -> subprocess.Comple
 
 
 def runtime(config) -> str:
-    control = ModelControl(config.grpc_url, KEY)
-    try:
+    with ModelControl(config.grpc_url, KEY) as control:
         return control.served_config(ONNX_MODEL).parameters["model_filename"].string_value
-    finally:
-        control.close()
 
 
 def test_a_failed_swap_changes_nothing_and_the_old_config_answers_throughout(swappable, repository, tmp_path):
@@ -113,11 +110,8 @@ def test_a_failed_swap_changes_nothing_and_the_old_config_answers_throughout(swa
         time.sleep(1.0)
     for tally in (http.tally, grpc.tally):
         assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), (tally.row(), tally.errors)
-    control = ModelControl(config.grpc_url, KEY)
-    try:
+    with ModelControl(config.grpc_url, KEY) as control:
         assert control.ready(ENSEMBLE_MODEL)
-    finally:
-        control.close()
 
 
 def test_after_a_swap_a_dead_stub_still_restarts_the_server_which_keeps_the_swapped_config(swappable, repository):
@@ -145,11 +139,8 @@ def test_after_a_swap_a_dead_stub_still_restarts_the_server_which_keeps_the_swap
     load = ensemble_load()
     tally = FleetLoad(config, "grpc", load, workers=1, retry=False, limit=10).start().wait()
     assert tally.answered == 10, tally.errors
-    control = ModelControl(config.grpc_url, KEY)
-    try:
+    with ModelControl(config.grpc_url, KEY) as control:
         swap(control, variant_targets(repository, "default"))
-    finally:
-        control.close()
     assert runtime(config) == "model.onnx"
 
 

@@ -63,20 +63,18 @@ def swap_fleet(workdir: Path, targets: list[SwapTarget], admin_key: str | None,
     done: list[tuple[ReplicaSwap, dict]] = []
     for name, url in replicas:
         replica = ReplicaSwap(name, url)
-        control = ModelControl(url, admin_key, timeout_s)
         try:
-            previous = control.served_configs()
-            on_line(f"{name}: draining in HAProxy")
-            replica.seconds["drain_s"] = _drain(api, name)
-            mark = time.monotonic()
-            swap(control, targets, timeout_s, on_line=lambda line: replica.lines.append(f"{name}: {line}"))
-            replica.seconds["swap_s"] = time.monotonic() - mark
+            with ModelControl(url, admin_key, timeout_s) as control:
+                previous = control.served_configs()
+                on_line(f"{name}: draining in HAProxy")
+                replica.seconds["drain_s"] = _drain(api, name)
+                mark = time.monotonic()
+                swap(control, targets, timeout_s, on_line=lambda line: replica.lines.append(f"{name}: {line}"))
+                replica.seconds["swap_s"] = time.monotonic() - mark
         except SwapError as exc:
             _rejoin(api, name, timeout_s)
             undone = _undo(done, admin_key, timeout_s)
             raise SwapError(f"{name} ({url}): {exc}{undone}", exc.exit_status) from None
-        finally:
-            control.close()
         for line in replica.lines:
             on_line(line)
         replica.seconds["rejoin_s"] = _rejoin(api, name, timeout_s)
@@ -113,14 +111,12 @@ def _undo(done: list[tuple[ReplicaSwap, dict]], admin_key: str | None, timeout_s
     """Give the replicas already swapped their previous configs back; what the message adds about it."""
     failed = []
     for replica, previous in done:
-        control = ModelControl(replica.url, admin_key, timeout_s)
         try:
-            swap(control, [SwapTarget(model, config, "its previous config") for model, config in previous.items()],
-                 timeout_s)
+            with ModelControl(replica.url, admin_key, timeout_s) as control:
+                swap(control, [SwapTarget(model, config, "its previous config") for model, config in previous.items()],
+                     timeout_s)
         except SwapError:
             failed.append(replica.name)
-        finally:
-            control.close()
     if failed:
         return f"; could not put back the previous configs of {', '.join(failed)}"
     return f"; {', '.join(r.name for r, _ in done)} got their previous configs back" if done else ""

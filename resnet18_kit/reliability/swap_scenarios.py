@@ -96,7 +96,9 @@ def phase_figures(tally: Tally, before: tuple[float, float], during: tuple[float
 
 def _run_swaps(load_target: ServerConfig, load: TensorLoad, do_swap, servers, before_s: float, after_s: float
                ) -> dict:
-    """Load `load_target` with HTTP and gRPC, call do_swap(variant) for each of SWAPS, and gather the figures."""
+    """Load `load_target` with HTTP and gRPC, call do_swap(variant) for each of SWAPS, and gather the figures
+    (once the stubs of earlier swaps have left, so the memory before is one config's)."""
+    _wait_settled(servers)
     with PeakMemory(servers) as memory, ExitStack() as stack:
         loads = [stack.enter_context(FleetLoad(load_target, p, load, workers=w, retry=False, pause_s=0.002))
                  for p, w in (("http", 1), ("grpc", 4))]
@@ -116,6 +118,14 @@ def _run_swaps(load_target: ServerConfig, load: TensorLoad, do_swap, servers, be
             "memory_before_bytes": memory.peaks[0], "memory_during_bytes": memory.peaks[1]}
 
 
+def _wait_settled(servers, timeout_s: float = 60.0) -> None:
+    """Wait until no instance of any server has two stubs (a swap's old ones have left)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+            server is not None and len(server.stub_pids()) != len(server.stub_processes()) for server in servers()):
+        time.sleep(0.1)
+
+
 def one_server(repository: Path, workdir: Path, before_s: float = 5.0, after_s: float = 3.0) -> dict:
     """A supervised server (as `serve --model-control explicit` runs it, gRPC behind the guard) swapped
     default -> int8 -> default under load."""
@@ -127,14 +137,13 @@ def one_server(repository: Path, workdir: Path, before_s: float = 5.0, after_s: 
     started = time.monotonic()
     supervisor.start()
     start_s = time.monotonic() - started  # the cost of a swap by restart: every model loaded and warmed up
-    control = ModelControl(config.grpc_url, key)
     try:
-        files = ModelRepository(repository)
-        load, idle_s = right_answers(config, control, files)
-        result = _run_swaps(config, load, lambda variant: swap(control, variant_targets(files, variant)),
-                            lambda: [supervisor.server], before_s, after_s)
+        with ModelControl(config.grpc_url, key) as control:
+            files = ModelRepository(repository)
+            load, idle_s = right_answers(config, control, files)
+            result = _run_swaps(config, load, lambda variant: swap(control, variant_targets(files, variant)),
+                                lambda: [supervisor.server], before_s, after_s)
     finally:
-        control.close()
         supervisor.stop()
     result.update(case="one server", faults=[e.detail for e in supervisor.events if e.kind == "fault"],
                   idle_swap_s=idle_s, start_s=start_s)
@@ -148,17 +157,16 @@ def fleet(repository: Path, workdir: Path, replicas: int = 3, before_s: float = 
     files = ModelRepository(repository)
     with Fleet(fleet_config(repository, workdir, replicas, model_control="explicit", admin_key=key)) as running:
         first = running.config.replicas[0]
-        control = ModelControl(first.grpc_url, key)
-        try:
+        with ModelControl(first.grpc_url, key) as control:
             load, idle_s = right_answers(first, control, files)
-        finally:
-            control.close()
+        steps: list[dict] = []  # each replica's drain_s, swap_s, rejoin_s, in order
         result = _run_swaps(running.config.front.server_config(), load,
-                            lambda variant: swap_fleet(workdir, variant_targets(files, variant), key),
+                            lambda variant: steps.extend(r.seconds for r in swap_fleet(
+                                workdir, variant_targets(files, variant), key)),
                             lambda: [s.server if s is not None else None for s in running.supervisors],
                             before_s, after_s)
         faults = [e.detail for s in running.supervisors if s is not None for e in s.events if e.kind == "fault"]
-    result.update(case=f"fleet of {replicas}", faults=faults, idle_swap_s=idle_s)
+    result.update(case=f"fleet of {replicas}", faults=faults, idle_swap_s=idle_s, replica_steps=steps)
     return result
 
 

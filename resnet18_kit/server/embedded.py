@@ -259,12 +259,13 @@ class EmbeddedTritonServer:
 
     def resident_memory_bytes(self) -> dict[str, int]:
         """Resident memory (RSS) of tritonserver and of each stub: {"tritonserver": bytes,
-        "<instance name>": bytes, ...}; empty when the server is not running."""
+        "<instance name>": bytes, ...} (a second stub of an instance, while a swap replaces it, as
+        "<instance name> (pid N)"); empty when the server is not running."""
         if not self.running:
             return {}
         memory = {"tritonserver": rss_bytes(self.process.pid)}
-        for name, pid in self.stub_processes().items():
-            memory[name] = rss_bytes(pid)
+        for name, pid in self.stub_pids():  # during a swap an instance has two stubs: both counted
+            memory[name if name not in memory else f"{name} (pid {pid})"] = rss_bytes(pid)
         return {name: rss for name, rss in memory.items() if rss is not None}
 
     def stop(self, drain_s: float | None = None, hurry: Callable[[], bool] | None = None) -> int | None:

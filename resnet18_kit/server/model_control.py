@@ -163,7 +163,7 @@ def describe(config) -> str:
 
 class ModelControl:
     """The model-control API of the server whose gRPC endpoint is `url` (host:port), with `admin_key`;
-    timeout_s: seconds one load may take. Errors are SwapError with one line.
+    timeout_s: seconds one load may take. Errors are SwapError with one line. A context manager (closes).
 
     gRPC, not HTTP: Triton 2.51's HTTP server answers a load on one of its worker threads and holds every
     other request of that thread's connections until the load is done (measured: an HTTP client's p99 was
@@ -179,6 +179,12 @@ class ModelControl:
 
     def close(self) -> None:
         self.client.close()
+
+    def __enter__(self) -> "ModelControl":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def served_configs(self) -> dict:
         """Model name -> ModelConfig of every model the server has READY (repository index, restricted)."""
@@ -222,6 +228,8 @@ def refusal(what: str, url: str, status: str | None, message: str) -> str:
     if "restricted" in message or str(status) in ("403", "StatusCode.PERMISSION_DENIED"):
         return (f"{url} refused to {what}: the admin key is missing or wrong (set $TRITON_ADMIN_KEY to the key "
                 f"the server was started with)")
+    if "failed to connect" in message or "Connection refused" in message:
+        return f"no server answers gRPC at {url}: {first}"
     if "explicit model load / unload is not allowed" in message or "not allowed" in first and "load" in first:
         return (f"{url} does not allow model control: start it with `--model-control explicit` (serve, fleet) "
                 f"or TRITON_MODEL_CONTROL=explicit (compose)")
@@ -250,8 +258,9 @@ def swap(control: ModelControl, targets: list[SwapTarget], timeout_s: float = DE
             control.load(target.model, target.config)
             _wait_ready(control, [target.model, *ensembles], started + timeout_s)
         except SwapError as exc:
-            restored = _restore(control, [(target.model, previous), *done])
-            raise SwapError(f"{target.model}: {exc}; {restored}", 1) from None
+            changed = [] if _unchanged(control, target.model, previous) else [(target.model, previous)]
+            restored = _restore(control, [*changed, *done])
+            raise SwapError(f"{target.model}: {exc}{restored}", 1) from None
         now = control.served_config(target.model)
         outcomes.append(SwapOutcome(target.model, describe(now), time.monotonic() - started,
                                     changed=not same_config(now, previous)))
@@ -289,8 +298,18 @@ def _wait_ready(control: ModelControl, models: list[str], deadline: float) -> No
         time.sleep(0.1)
 
 
+def _unchanged(control: ModelControl, model: str, previous) -> bool:
+    """True when `model` still serves `previous` (a refused load leaves the old config serving)."""
+    try:
+        return control.ready(model) and same_config(control.served_config(model), previous)
+    except SwapError:
+        return False
+
+
 def _restore(control: ModelControl, previous: list[tuple[str, object]]) -> str:
-    """Load each (model, config) back; what the message says about it."""
+    """Load each (model, config) back; what the message says about it ("" when there was none)."""
+    if not previous:
+        return "; nothing was changed"
     failed = []
     for model, config in previous:
         try:
@@ -298,8 +317,8 @@ def _restore(control: ModelControl, previous: list[tuple[str, object]]) -> str:
         except SwapError:
             failed.append(model)
     if failed:
-        return f"could not put back the previous config of {', '.join(failed)}"
-    return "every model serves its previous config"
+        return f"; could not put back the previous config of {', '.join(failed)}"
+    return f"; put back on their previous configs: {', '.join(model for model, _ in previous)}"
 
 
 def same_config(first, second) -> bool:

@@ -229,32 +229,27 @@ class Supervisor:
         """With model control: read every model's config from the server into _serving."""
         if self.config.model_control != "explicit":
             return
-        control = ModelControl(self.config.triton_grpc_url, self.config.admin_key, timeout_s=5.0)
         try:
-            self._serving = control.served_configs()
+            with ModelControl(self.config.triton_grpc_url, self.config.admin_key, timeout_s=5.0) as control:
+                self._serving = control.served_configs()
         except SwapError as exc:
             self._event("swap", f"could not read the configs serving: {exc}")
-        finally:
-            control.close()
 
     def _put_back_swapped(self) -> str:
         """After a restart with model control: load the configs a swap had changed before the fault
         (server.model_control.swap); what the ready event adds about it."""
         if self.config.model_control != "explicit" or not self._serving:
             return ""
-        control = ModelControl(self.config.triton_grpc_url, self.config.admin_key)
         try:
-            now = control.served_configs()
-            targets = [SwapTarget(model, config, "the config serving before the restart")
-                       for model, config in self._serving.items() if model in now and not same_config(config, now[model])]
-            if not targets:
-                return ""
-            swap(control, targets)
-            return f"; swapped configs put back: {', '.join(t.model for t in targets)}"
+            with ModelControl(self.config.triton_grpc_url, self.config.admin_key) as control:
+                now = control.served_configs()
+                targets = [SwapTarget(model, config, "the config serving before the restart")
+                           for model, config in self._serving.items() if model in now and not same_config(config, now[model])]
+                if targets:
+                    swap(control, targets)
         except SwapError as exc:
             return f"; could not put back the swapped configs ({exc}): the repository's configs serve"
-        finally:
-            control.close()
+        return f"; swapped configs put back: {', '.join(t.model for t in targets)}" if targets else ""
 
     def _start_probing(self) -> None:
         """A ProgressWatch for the server just started, and a thread that runs its rounds while that
