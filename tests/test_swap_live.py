@@ -194,3 +194,59 @@ def sample_photo_bytes() -> bytes:
     from resnet18_kit.client.samples import sample_photos
 
     return sample_photos()[0].read_bytes()
+
+
+def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loads_over_grpc(repository, tmp_path):
+    """Triton 2.51 answers an HTTP model load on an HTTP worker thread and holds the HTTP requests of that
+    thread's connections until the load is done (server issues 8117, 8958; fix proposed in PR 8737, in no
+    release yet). Two HTTP clients send tensors while resnet18_onnx is swapped, 4 times over HTTP and 4
+    times over gRPC (what ModelControl uses): over HTTP a request waits about as long as the load, at
+    least once; over gRPC none waits half of it."""
+    import threading
+
+    import numpy as np
+    import tritonclient.http as httpclient
+    from google.protobuf import json_format
+
+    from resnet18_kit.server.embedded import ADMIN_HEADER, EmbeddedTritonServer
+
+    config = config_on_free_ports(model_repository=repository.root, model_control="explicit", admin_key=KEY)
+
+    def longest_wait(load) -> tuple[float, float]:
+        """(longest HTTP request in s, the load's s) while `load()` runs."""
+        stop, latencies = threading.Event(), []
+
+        def send() -> None:
+            with httpclient.InferenceServerClient(config.http_url) as client:
+                tensor = httpclient.InferInput("input", [1, 3, 224, 224], "FP32")
+                tensor.set_data_from_numpy(np.zeros((1, 3, 224, 224), np.float32))
+                while not stop.is_set():
+                    started = time.monotonic()
+                    client.infer(ONNX_MODEL, [tensor])
+                    latencies.append(time.monotonic() - started)
+        senders = [threading.Thread(target=send) for _ in range(2)]
+        for sender in senders:
+            sender.start()
+        time.sleep(1.0)
+        started = time.monotonic()
+        load()
+        took_s = time.monotonic() - started
+        time.sleep(0.5)
+        stop.set()
+        for sender in senders:
+            sender.join()
+        return max(latencies), took_s
+
+    variants = ["int8", "default"] * 2
+    with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log"), \
+            httpclient.InferenceServerClient(config.http_url, network_timeout=120) as http, \
+            ModelControl(config.grpc_url, KEY) as control:
+        over_http = [longest_wait(lambda v=v: http.load_model(
+            ONNX_MODEL, headers={ADMIN_HEADER: KEY},
+            config=json_format.MessageToJson(variant_targets(repository, v, [ONNX_MODEL])[0].config)))
+            for v in variants]
+        over_grpc = [longest_wait(lambda v=v: swap(control, variant_targets(repository, v, [ONNX_MODEL])))
+                     for v in variants]
+    print(f"\nlongest HTTP request / load, s: over HTTP {over_http}; over gRPC {over_grpc}", flush=True)
+    assert any(wait_s >= 0.8 * took_s for wait_s, took_s in over_http), over_http
+    assert all(wait_s < 0.5 * took_s for wait_s, took_s in over_grpc), over_grpc
