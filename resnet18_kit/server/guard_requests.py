@@ -16,17 +16,23 @@ answer is trimmed back to the outputs asked for. So every entry made through the
 and a gRPC client of `serve` gets what it asked for from any such entry. Entries made over HTTP by a
 request for one output can still hold one: the HTTP path has no kit code in front of tritonserver.
 
-`CachedOutputs` learns each model's outputs from tritonserver's ModelConfig, once per model name.
+`CachedOutputs` learns each model's outputs from tritonserver's ModelConfig, read again every CONFIG_MAX_AGE_S (a swap
+can change it).
 """
 from __future__ import annotations
+
+import time
 
 import grpc
 
 #: The request parameter Triton reads as the request's queue timeout (microseconds).
 TIMEOUT_PARAMETER = "timeout"
 
-#: Seconds the guard waits for a model's config (once per model) before treating it as not cached.
+#: Seconds the guard waits for a model's config before treating it as not cached.
 CONFIG_TIMEOUT_S = 5.0
+#: Seconds a model's config read by the guard is believed: a swap (`resnet18-kit swap`) can turn its
+#: response cache on or off, so it is read again after this (one ModelConfig call per model and period).
+CONFIG_MAX_AGE_S = 5.0
 
 
 def with_timeout(raw_request: bytes, remaining_s: float | None) -> bytes:
@@ -55,11 +61,12 @@ class CachedOutputs:
     def __init__(self, config_call):
         self._config_call = config_call
         self._outputs: dict[str, tuple[str, ...]] = {}
+        self._read_at: dict[str, float] = {}
 
     async def outputs_of(self, model: str) -> tuple[str, ...]:
         """The outputs of cached `model`, () when it is not cached; a config that cannot be read now
-        counts as not cached and is asked for again next time."""
-        if model not in self._outputs:
+        counts as not cached and is asked for again next time; one read is kept CONFIG_MAX_AGE_S."""
+        if model not in self._outputs or time.monotonic() - self._read_at[model] > CONFIG_MAX_AGE_S:
             from tritonclient.grpc import service_pb2
 
             try:
@@ -69,6 +76,7 @@ class CachedOutputs:
                 return ()
             config = service_pb2.ModelConfigResponse.FromString(raw).config
             self._outputs[model] = tuple(output.name for output in config.output) if config.response_cache.enable else ()
+            self._read_at[model] = time.monotonic()
         return self._outputs[model]
 
 

@@ -11,14 +11,17 @@ blocks shutdown until the exit timeout. So the supervisor restarts the whole ser
 
 Checks, every `poll_interval_s`:
   * the tritonserver process exited;
-  * a stub process seen at start-up is gone (one per model instance: `EmbeddedTritonServer.stub_processes`);
+  * a stub process is gone (one per model instance: `EmbeddedTritonServer.stub_pids`), unless a swap
+    replaced it (`_dead_stub`: with `--model-control explicit`, server.model_control loads a new config's
+    stubs beside the old ones, which then leave);
   * `/v2/health/live` has not answered for `unresponsive_after_s`;
   * wedged: no inference answered or executed for `wedged_after_s`, while the health endpoints may still
     answer 200 (a corrupt heap or stuck threads after a cancellation race in Triton 2.51). A thread probes
     every `probe_interval_s` (server.probe: the execution count, and an inference to each step of the ensemble
     when the count did not grow). A stop of a server found wedged does not wait for its exit timeout.
 A restart stops the server (SIGTERM, `restart_drain_s` for the requests other models are serving, then
-SIGKILL) and starts it again on the same ports. More than `max_restarts` restarts within
+SIGKILL) and starts it again on the same ports; with model control it then loads back the configs a swap
+had put in place (read from the server whenever its stubs changed). More than `max_restarts` restarts within
 `restart_window_s` is a crash loop: the supervisor gives up and `run` returns 1.
 
 A start that fails is not a fault to restart from: a taken port, a model that does not load or a
