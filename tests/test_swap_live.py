@@ -144,6 +144,30 @@ def test_after_a_swap_a_dead_stub_still_restarts_the_server_which_keeps_the_swap
     assert runtime(config) == "model.onnx"
 
 
+def test_a_swap_sent_onto_a_dead_stub_falls_back_to_the_supervisors_restart(swappable, repository):
+    """A stub killed just before a swap: the supervisor restarts the server (a swap would leave the dead
+    instance behind, which never unloads); the swap says it failed or completes on the restarted server,
+    and a swap sent again serves the new config."""
+    config = swappable.config
+    deadline = time.monotonic() + 30
+    while len(swappable.server.stub_pids()) != len(swappable.server.stub_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    restarts = sum(e.kind == "restart" for e in swappable.events)
+    os.kill(swappable.server.stub_processes()[f"{ONNX_MODEL}_0_1"], signal.SIGKILL)
+    first = swap_command(config, "--model-config-name", "int8")
+    assert first.returncode in (0, 1) and "Traceback" not in first.stderr, first.stderr
+    deadline = time.monotonic() + 120
+    while not (sum(e.kind == "restart" for e in swappable.events) > restarts and swappable.wait_serving(1.0)):
+        assert time.monotonic() < deadline, [e.detail for e in swappable.events]
+    assert f"instance '{ONNX_MODEL}_0_1'" in [e.detail for e in swappable.events if e.kind == "fault"][-1]
+    again = swap_command(config, "--model-config-name", "int8")
+    assert again.returncode == 0 and runtime(config) == "model.int8.onnx", again.stderr
+    tally = FleetLoad(config, "grpc", ensemble_load(), workers=1, retry=False, limit=10).start().wait()
+    assert tally.answered == 10, tally.errors
+    with ModelControl(config.grpc_url, KEY) as control:
+        swap(control, variant_targets(repository, "default"))
+
+
 def test_serve_refuses_model_control_without_an_admin_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"}
     done = subprocess.run([sys.executable, "-m", "resnet18_kit", "--results", str(tmp_path), "serve",

@@ -191,7 +191,6 @@ class Supervisor:
         changed = set(current) != set(self._stubs)
         self._stubs = current
         if changed:
-            self._instances = set(current.values())
             self._note_serving()
         return changed
 
@@ -210,6 +209,7 @@ class Supervisor:
             if pid in self._stubs or process_alive(pid) or self._replaced(pid, name):
                 continue
             return f"Python-backend stub of instance '{name}' (pid {pid}) died"
+        self._instances = set(self._stubs.values())  # a swap's: a restart must bring these back
         return None
 
     def _replaced(self, pid: int, name: str) -> bool:
