@@ -124,7 +124,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         sub = command_parser(subparsers, name, help_text, description=module.__doc__)
         module.add_arguments(sub)
-        sub.set_defaults(_run=module.run)
+        sub.set_defaults(_run=module.run, _parser=sub)
     return parser
 
 
@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         args, rest = parser.parse_args(argv[:index + 1]), argv[index + 1:]
         args.arguments = rest
     else:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # named by the command's own parser, so the hint is `resnet18-kit <command> --help`
+            getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         settings = Settings.build({dest: getattr(args, dest, None) for _, dest, _ in GLOBAL_OPTIONS} |
                                   {dest: getattr(args, dest, None) for dest in ("url", "protocol", "metrics_url")})

@@ -2,14 +2,16 @@
 
 Exports ResNet-18 if needed, starts the embedded tritonserver, sends the sample photos (from the
 scikit-image wheel) to the `resnet18` ensemble as concurrent single-image requests over HTTP and gRPC,
-prints each photo's top-5, shows how the dynamic batcher grouped them (metrics endpoint), and stops.
+prints each photo's top-5, shows how the dynamic batcher grouped them (metrics endpoint) and how fast the
+photos were answered (img/s; the average time a photo took, by Little's law from the concurrency), and stops.
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 from resnet18_kit.client.classify import classify_files, format_predictions
-from resnet18_kit.observe.metrics import average_batch_size, model_counters
+from resnet18_kit.observe.metrics import average_batch_size, cache_counters, model_counters
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.server.__main__ import add_server_arguments, prepared_server_config
@@ -40,7 +42,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
               f"[random weights]; see docs/usage.md 'Weights'.", flush=True)
 
     photos = sample_photos()
-    failures = 0
+    failures, speeds = 0, []
     log_path = settings.results_dir("demo-tritonserver.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"demo: starting tritonserver (log: {shown(log_path)})", flush=True)
@@ -56,12 +58,21 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         for protocol, url in (("http", config.http_url), ("grpc", config.grpc_url)):
             print(f"\n=== {len(photos)} photos -> ensemble '{ENSEMBLE_MODEL}' over {protocol.upper()} "
                   f"({args.concurrency} in flight) ===")
+            hits_before = cache_counters(config.metrics_url).get("num_hits", 0.0)
+            started = time.perf_counter()
+            lines = []
             for path, result in classify_files(photos, url, protocol, 5, args.concurrency):
                 if isinstance(result, Exception):
                     failures += 1
-                    print(f"{path.name}: ERROR {result}")
+                    lines.append(f"{path.name}: ERROR {result}")
                 else:
-                    print(format_predictions(path.name, result, "[random weights]" if random_weights else ""))
+                    lines.append(format_predictions(path.name, result, "[random weights]" if random_weights else ""))
+            took_s = time.perf_counter() - started
+            print("\n".join(lines))
+            hits = cache_counters(config.metrics_url).get("num_hits", 0.0) - hits_before
+            speeds.append(f"{protocol.upper():<5} {len(photos)} photos in {took_s:.2f} s: {len(photos) / took_s:.1f} img/s, "
+                          f"{took_s / len(photos) * args.concurrency * 1000:.0f} ms a photo on average at {args.concurrency} "
+                          f"in flight" + (f"; {hits:.0f} answered from the response cache" if hits else ""))
         print("\n=== dynamic batching (metrics endpoint, this demo's requests) ===")
         for model in (PREPROCESS_MODEL, ONNX_MODEL):
             after = model_counters(config.metrics_url, model)
@@ -70,6 +81,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
             print(f"{model:<15} inferences {delta['nv_inference_count']:.0f}, "
                   f"executions {delta['nv_inference_exec_count']:.0f}, "
                   f"average batch {average_batch_size(delta):.2f}")
+        print("\n=== speed (these few photos, the server's first requests included; a benchmark: docs/benchmarks.md) ===")
+        print("\n".join(speeds))
         print("\ndemo: stopping the server")
     if random_weights:
         print("\ndemo: NOTE the weights are a seeded RANDOM init, so the labels above are meaningless; "

@@ -24,11 +24,13 @@ def run_command(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("command, message", [
     (["bench", "run", "--configs", "nosuch", "--quick"], "--configs: no such config of resnet18_onnx: nosuch"),
     (["bench", "lone-client", "--served-repository", "/nonexistent"], "--served-repository: no model repository"),
+    (["classify", "/nonexistent/photo.jpg"], "no such file or folder: /nonexistent/photo.jpg"),
+    (["serve", "--no-such-flag"], "resnet18-kit serve: error: unrecognized arguments: --no-such-flag (see resnet18-kit serve --help)"),
 ])
-def test_bench_commands_refuse_bad_arguments_in_one_line(command, message):
+def test_commands_refuse_bad_arguments_in_one_line(command, message):
     result = run_command(*command)
     assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def pipeline(settings_flags: dict, *argv: str) -> int:

@@ -19,7 +19,8 @@ of its ensemble steps): false = a seeded random init, the labels mean nothing; n
 say. When it is false a note says so once on stderr (text and --json). Progress bar, notes and errors go to stderr.
 
 Exit status: 0 every image classified; 1 some image failed (each failure is one line); 2 nothing was sent:
-bad options (--top-k outside 1..1000, a --priority the model does not serve, ...), no image files, or the server unreachable, not a Triton
+bad options (--top-k outside 1..1000, a --priority the model does not serve, ...), a path that does not exist, no
+image files, or the server unreachable, not a Triton
 server speaking --protocol, or not ready (one line naming the problem).
 """
 from __future__ import annotations
@@ -195,6 +196,10 @@ def run(settings, args: argparse.Namespace) -> int:
     problem = usage_problem(args)
     if problem:
         say(problem)
+        return 2
+    missing = [path for path in args.paths if not path.exists()]
+    if missing:  # named before anything is sent: a mistyped path is a usage error, not a failed image
+        say(f"no such file or folder: {', '.join(map(str, missing))}")
         return 2
     skipped: list[Path] = []
     files = expand_paths(args.paths, skipped)

@@ -43,6 +43,7 @@ import sys
 import threading
 from pathlib import Path
 
+from resnet18_kit.contract import DEFAULT_VARIANT
 from resnet18_kit.export import ensure_exported, export_needed
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shown
@@ -70,8 +71,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=defaults.grpc_port, help="gRPC port (default 8001)")
     parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
                         help="Prometheus metrics port (default 8002)")
-    parser.add_argument("--model-config-name", help="use <model>/configs/<NAME>.pbtxt where present "
-                                                      "(empty: every model's config.pbtxt)")
+    parser.add_argument("--model-config-name", metavar="NAME",
+                        help="use <model>/configs/<NAME>.pbtxt where present (empty: every model's config.pbtxt); "
+                             f"the shipped names: {', '.join(shipped_variants())} (docs/model-repository.md)")
     parser.add_argument("--exit-timeout-s", type=int, default=defaults.exit_timeout_s,
                         help="seconds in-flight requests get to finish on shutdown (default 30)")
     parser.add_argument("--log-verbose", type=int, default=0,
@@ -84,6 +86,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/reliability.md 'Deadlines and cancellation'); tritonserver's own gRPC then "
                              "listens on a free port of 127.0.0.1 (default: on; --no-grpc-guard exposes "
                              "tritonserver's gRPC on --grpc-port)")
+
+
+def shipped_variants() -> list[str]:
+    """The config variants of the checkout's (or working folder's) model repository, for --help."""
+    from resnet18_kit.settings import default_folder
+
+    try:
+        return ModelRepository(default_folder("model_repository")).variant_names()
+    except OSError:
+        return [DEFAULT_VARIANT]
 
 
 def add_cache_argument(parser: argparse.ArgumentParser, whose: str = "Triton's") -> None:
@@ -170,6 +182,13 @@ def guard_note(config: ServerConfig) -> str:
     if config.triton_grpc_port is None:
         return "   (tritonserver's own: no guard against client cancellations)"
     return f"   (the kit's gRPC guard; tritonserver's own gRPC on {config.triton_grpc_url})"
+
+
+def control_note(config: ServerConfig) -> str:
+    """What the ready banner says after the config variant: whether `resnet18-kit swap` can change it."""
+    if config.model_control == "explicit":
+        return "   (model control on: `resnet18-kit swap --url " + config.grpc_url + " --model-config-name <name>`)"
+    return "   (fixed until the server stops; --model-control explicit allows `resnet18-kit swap`)"
 
 
 def check_variant(config: ServerConfig) -> None:
@@ -275,6 +294,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
                   f"  HTTP    http://{config.http_url}   (KServe v2: /v2/health/ready, /v2/models/resnet18/infer)\n"
                   f"  gRPC    {config.grpc_url}{guard_note(config)}\n"
                   f"  metrics {config.metrics_url}\n"
+                  f"  config  {config.model_config_name or DEFAULT_VARIANT}{control_note(config)}\n"
                   f"  try:    resnet18-kit classify --url {config.http_url} <images>\n"
                   f"serve: Ctrl-C or SIGTERM to stop", flush=True)
 
