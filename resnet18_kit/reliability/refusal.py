@@ -17,6 +17,12 @@ from resnet18_kit.server.config import ServerConfig
 FILLER_PAUSE_S = 0.02
 
 
+#: Request ids of probe thread k start at PROBE_ID_STRIDE * (k + 1): apart from the fillers' and each other's.
+PROBE_ID_STRIDE = 10_000_000
+#: Seconds each probe thread waits between its requests.
+PROBE_INTERVAL_S = 0.02
+
+
 def refusal_latency(config: ServerConfig, protocol: str, load: TensorLoad, seconds: float = 4.0,
                     probes: int = 4) -> dict:
     """The server's time to refuse a request that meets a full queue.
@@ -27,7 +33,7 @@ def refusal_latency(config: ServerConfig, protocol: str, load: TensorLoad, secon
     `seconds`, each alone on its connection (a probe that finds room waits its turn, seconds). Every
     outcome, fillers' and probes', is accounted for.
 
-    Returns {"protocol", "model", "fillers" (how many), "probes", "fillers_outcomes"} (both summarize()
+    Returns {"protocol", "model", "fillers" (how many), "probe_threads", "probes", "fillers_outcomes"} (both summarize()
     dicts: counts, "refused_ms" p50 / p99 / max). RuntimeError when the queue never fills in 60 s.
     """
     from resnet18_kit.server.overload import queue_limits
@@ -63,8 +69,8 @@ def refusal_latency(config: ServerConfig, protocol: str, load: TensorLoad, secon
                 raise RuntimeError(f"{load.model}'s queue never filled")
             time.sleep(0.01)
         probe_stop = threading.Event()
-        threads = [threading.Thread(target=_probe, args=(config, protocol, load, 10_000_000 * (k + 1), probe_stop,
-                                                          0.02, probe_outcomes)) for k in range(probes)]
+        threads = [threading.Thread(target=_probe, args=(config, protocol, load, PROBE_ID_STRIDE * (k + 1), probe_stop,
+                                                          PROBE_INTERVAL_S, probe_outcomes)) for k in range(probes)]
         for thread in threads:
             thread.start()
         started = time.monotonic()  # `seconds`, longer while fewer than 10 probes met the full queue
@@ -77,7 +83,7 @@ def refusal_latency(config: ServerConfig, protocol: str, load: TensorLoad, secon
     finally:
         stop.set()
         filler.join(HANG_BOUND_S)
-    return {"protocol": protocol, "model": load.model, "fillers": fillers,
+    return {"protocol": protocol, "model": load.model, "fillers": fillers, "probe_threads": probes,
             "probes": summarize(probe_outcomes, len(probe_outcomes)),
             "fillers_outcomes": summarize(filler_outcomes, len(filler_outcomes))}
 
@@ -112,4 +118,4 @@ def table_row(result: dict) -> list:
             probes[ANSWERED] + fill[ANSWERED], probes[REFUSED] + fill[REFUSED], unaccounted(probes) + unaccounted(fill),
             f"single-request refusals ({probes[REFUSED]}): p50 {ms_cell(probes.get('refused_ms'))} / p99 "
             f"{ms_cell(probes.get('refused_ms'), 'p99')} / max {ms_cell(probes.get('refused_ms'), 'max')} ms",
-            "probe requests sent one at a time, 4 threads"]
+            f"probe requests sent one at a time, {result['probe_threads']} threads"]
