@@ -3,7 +3,8 @@
 Exports ResNet-18 if needed, starts the embedded tritonserver, sends the sample photos (from the
 scikit-image wheel) to the `resnet18` ensemble as concurrent single-image requests over HTTP and gRPC,
 prints each photo's top-5, shows how the dynamic batcher grouped them (metrics endpoint) and how fast the
-photos were answered (img/s; the average time a photo took, by Little's law from the concurrency), and stops.
+photos were answered (img/s; the average time a photo took, by Little's law: elapsed / photos x photos in
+flight), and stops.
 """
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import argparse
 import time
 
 from resnet18_kit.client.classify import classify_files, format_predictions
-from resnet18_kit.observe.metrics import average_batch_size, cache_counters, model_counters
+from resnet18_kit.observe.metrics import average_batch_size, model_counters
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.server.__main__ import add_server_arguments, prepared_server_config
 from resnet18_kit.settings import Settings, shown
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.server_log import cpu_only_explanation, is_cuda_notice
+
+
+#: The ensemble's counter of answers the response cache gave (Triton's per-model cache metric).
+CACHE_HITS = "nv_cache_num_hits_per_model"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +63,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         for protocol, url in (("http", config.http_url), ("grpc", config.grpc_url)):
             print(f"\n=== {len(photos)} photos -> ensemble '{ENSEMBLE_MODEL}' over {protocol.upper()} "
                   f"({args.concurrency} in flight) ===")
-            hits_before = cache_counters(config.metrics_url).get("num_hits", 0.0)
+            hits_before = model_counters(config.metrics_url, ENSEMBLE_MODEL).get(CACHE_HITS, 0.0)
             started = time.perf_counter()
             lines = []
             for path, result in classify_files(photos, url, protocol, 5, args.concurrency):
@@ -69,10 +74,11 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
                     lines.append(format_predictions(path.name, result, "[random weights]" if random_weights else ""))
             took_s = time.perf_counter() - started
             print("\n".join(lines))
-            hits = cache_counters(config.metrics_url).get("num_hits", 0.0) - hits_before
+            hits = model_counters(config.metrics_url, ENSEMBLE_MODEL).get(CACHE_HITS, 0.0) - hits_before
+            in_flight = min(args.concurrency, len(photos))
             speeds.append(f"{protocol.upper():<5} {len(photos)} photos in {took_s:.2f} s: {len(photos) / took_s:.1f} img/s, "
-                          f"{took_s / len(photos) * args.concurrency * 1000:.0f} ms a photo on average at {args.concurrency} "
-                          f"in flight" + (f"; {hits:.0f} answered from the response cache" if hits else ""))
+                          f"about {took_s / len(photos) * in_flight * 1000:.0f} ms each ({in_flight} in flight)"
+                          + (f"; {hits:.0f} answered from the response cache" if hits else ""))
         print("\n=== dynamic batching (metrics endpoint, this demo's requests) ===")
         for model in (PREPROCESS_MODEL, ONNX_MODEL):
             after = model_counters(config.metrics_url, model)

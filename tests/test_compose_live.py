@@ -53,6 +53,16 @@ def ready(url: str) -> bool:
         return False
 
 
+def grpc_ready(url: str) -> bool:
+    import tritonclient.grpc as grpcclient
+
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            return client.is_server_ready(client_timeout=1.0)
+    except Exception:  # refused, 503 from HAProxy: not yet
+        return False
+
+
 def wait_for(what: str, condition, timeout_s: float, poll_s: float = 0.1) -> float:
     """Seconds until condition() is true; fails naming `what` after timeout_s."""
     start = time.monotonic()
@@ -273,6 +283,8 @@ def test_fleet_replays_what_a_killed_replica_held_no_error_to_a_plain_client(eng
     try:
         up_s = project.timed_up("haproxy")
         front = project.server_config()
+        assert ready(front.http_url)  # haproxy's health check: healthy once a replica serves through it
+        wait_for("HAProxy's gRPC backend serves", lambda: grpc_ready(front.grpc_url), 10, 0.1)
         loads = {protocol: FleetLoad(front, protocol, reference_answers(front, load), workers=4, retry=False)
                  for protocol, load in (("http", onnx_load(4)), ("grpc", ensemble_load()))}
         for load in loads.values():

@@ -274,3 +274,33 @@ def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loa
     print(f"\nlongest HTTP request / load, s: over HTTP {over_http}; over gRPC {over_grpc}", flush=True)
     assert any(wait_s >= 0.8 * took_s for wait_s, took_s in over_http), over_http
     assert all(wait_s < 0.5 * took_s for wait_s, took_s in over_grpc), over_grpc
+
+
+def test_serve_with_model_control_as_a_user_runs_it_names_its_config_swaps_and_stops_twice(tmp_path):
+    """`serve --model-control explicit --model-config-name int8` in a subprocess: its ready block names the
+    variant and how to swap it; `swap` to default over its gRPC port; two SIGTERMs (as make and Kubernetes
+    send) stop it with status 0 and nothing left."""
+    http, grpc, metrics = free_ports(3)
+    env = dict(os.environ, TRITON_ADMIN_KEY=KEY)
+    serve = subprocess.Popen([sys.executable, "-m", "resnet18_kit", "--results", str(tmp_path), "serve",
+                              "--model-control", "explicit", "--model-config-name", "int8", "--http-port", str(http),
+                              "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        banner = []
+        for line in serve.stdout:
+            banner.append(line.rstrip())
+            if line.startswith("serve: Ctrl-C"):
+                break
+        config_line = next((line for line in banner if line.startswith("  config")), "")
+        assert config_line.startswith("  config  int8   (model control on: `resnet18-kit swap --url 127.0.0.1:"), banner
+        done = subprocess.run([sys.executable, "-m", "resnet18_kit", "swap", "--url", f"127.0.0.1:{grpc}",
+                               "--model-config-name", "default"], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0 and "resnet18_onnx: now serving python (model.onnx)" in done.stderr, \
+            done.stderr
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        serve.send_signal(signal.SIGTERM)
+        status = serve.wait(timeout=120)
+    assert status == 0
