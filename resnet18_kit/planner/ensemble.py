@@ -331,19 +331,16 @@ def plan_ensemble(target_rps: float, slo: Slo, profile: EnsembleProfile, space: 
     return EnsemblePlan(target_rps, slo, best, candidates, simulations)
 
 
-#: How far the ensemble's predicted p99 can be trusted, by its load (offered / capacity): the two-stage
-#: validation on photos (docs/capacity.md "The main job"; three runs of 2026-11-24, the shipped pair and two
-#: planned pairs, 24 levels) found the p99 within 25% on 5 of 8 levels at 30% of capacity, and low on all 8
-#: (-13 to -35%); 4 of 8 at 70% (-35 to +38%); 1 of 8 at 95% (-29 to +317%). Throughput within 10% on all 9
-#: levels measured from Triton's trace. Same form as planner.search.P99_TRUST.
+#: How far the ensemble's predicted p99 can be trusted, by its load (offered / capacity); same form as
+#: planner.search.P99_TRUST. From the two-stage validation on photos (`resnet18-kit plan validate-ensemble`;
+#: its figures are in docs/capacity.md "The main job"): the prediction ran low at light load, was a rough
+#: guide up to 80% of capacity and missed widely above it, while the throughput held throughout.
 ENSEMBLE_P99_TRUST: tuple[tuple[float, bool, str], ...] = (
-    (0.5, False, "CAUTION: p99 within 25% of the measured on 5 of 8 validated levels at 30% of capacity, and "
-                 "low on all 8 (by 13-35%): expect up to a third more"),
-    (0.8, False, "CAUTION: p99 within 25% on 4 of 8 validated levels at 70% of capacity (-35% to +38%); "
-                 "measure it (resnet18-kit plan validate-ensemble)"),
-    (math.inf, False, "NOT TRUSTED: p99 within 25% on 1 of 8 validated levels at 95% of capacity (-29% to "
-                      "+317%); the throughput holds (within 10% on all 9 levels measured from the trace): plan "
-                      "below 80% (--max-utilization 0.8)"),
+    (0.5, False, "CAUTION: below 50% of capacity the predicted p99 runs low: expect up to a third more"),
+    (0.8, False, "CAUTION: between 50% and 80% of capacity the predicted p99 is a rough guide; measure it "
+                 "(resnet18-kit plan validate-ensemble)"),
+    (math.inf, False, "NOT TRUSTED: above 80% of capacity the predicted p99 can miss several times over; the "
+                      "throughput holds: plan below 80% (--max-utilization 0.8)"),
 )
 
 
