@@ -300,10 +300,10 @@ def command(model: str, url: str, protocol: str, load: LoadSpec, level: float, o
 #: When perf_analyzer finds no 3 consecutive windows within `stability_pct` of each other in max_trials
 #: (a noisy machine: CPU steal on a shared VM stalls single requests for 0.5 s), the level is measured
 #: again as a fixed count of requests (`fallback_request_count`); command.txt records which it used.
-#: A fixed-request-count run that has not exited after HANG_S is taken as hung and started again once:
-#: perf_analyzer 2.51 in --async mode sometimes never exits after the server answered every request
-#: (identity at concurrency 128: once in ~30 quick runs, the client idle 10 minutes; twice in a row on a
-#: faster machine). A run killed for the last time exits HUNG_EXIT (as timeout(1)), its log saying so.
+#: A fixed-request-count run that has not exited after HANG_S seconds is taken as hung and started again
+#: once: perf_analyzer 2.51 in --async mode can stay idle and never exit after the server answered every
+#: request (seen at high concurrency; docs/benchmarks.md). HANG_S is far above any level's run here. A run
+#: killed for the last time exits HUNG_EXIT (as timeout(1)), its log saying so.
 HANG_S = 120.0
 HUNG_EXIT = 124
 
@@ -327,10 +327,9 @@ def _run_once_more_if_hung(cmd: list[str], log_path: Path, env: dict, timeout_s:
     return subprocess.CompletedProcess(cmd, HUNG_EXIT)
 
 
-#: perf_analyzer 2.51 leaves --profile-export-file empty (exit 0) always for a --request-count run
-#: without shared memory (checked: 60 and 200 requests at concurrency 2, sync and --async), and now and
-#: then otherwise (a `-b 1` run of 15 requests with system shared memory; 2 of 38 stabilized levels of a
-#: bench sweep). Callers that need the per-request data ask for this many runs in all.
+#: perf_analyzer 2.51 leaves --profile-export-file empty (exit 0) for every --request-count run without
+#: shared memory, and for an occasional run otherwise. Callers that need the per-request data ask for this
+#: many runs in all.
 EMPTY_EXPORT_ATTEMPTS = 3
 
 
