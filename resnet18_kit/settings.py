@@ -126,23 +126,6 @@ def shown(path: Path) -> Path:
         return path
 
 
-def bench_summaries(results: Path):
-    """Yield (path, summary) for each <results>/bench-*/summary.json that reads as a JSON object: full runs
-    first, then --quick ones (folders ending in "-quick"; they read 10-20 % low), each newest first by folder
-    name (bench-YYYYmmdd-HHMMSS). Unreadable files are passed over."""
-    import json
-
-    paths = sorted(Path(results).glob("bench-*/summary.json"),
-                   key=lambda p: (not p.parent.name.endswith("-quick"), p.parent.name), reverse=True)
-    for path in paths:
-        try:
-            summary = json.loads(path.read_text())
-        except (ValueError, OSError):
-            continue
-        if isinstance(summary, dict):
-            yield path, summary
-
-
 def add_server_address_options(parser) -> None:
     """--url, --protocol and --metrics-url: the address of the server a command talks to, defined once for
     every command that talks to one (Settings.build reads them; argparse parser)."""

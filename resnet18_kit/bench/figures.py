@@ -46,7 +46,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from resnet18_kit.bench.plots import pipeline_figure, soak_figure, validation_figure, validation_rows  # noqa: E402
 from resnet18_kit.bench.report import throughput_vs_p99_figure  # noqa: E402
-from resnet18_kit.settings import Settings, bench_summaries, checkout  # noqa: E402
+from resnet18_kit.load.results import bench_summaries  # noqa: E402
+from resnet18_kit.settings import Settings, checkout  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def _summary_with(folder: Path, part: str) -> tuple[Path, dict]:
 
 def newest_bench_folder(results: Path, part: str) -> Path:
     """The newest results/bench-*/ whose summary.json has `part` ("pipeline" or "configs"), full runs
-    before --quick ones (settings.bench_summaries). Skip when there is none."""
+    before --quick ones (load.results.bench_summaries). Skip when there is none."""
     for path, summary in bench_summaries(results):
         if summary.get(part):
             return path.parent

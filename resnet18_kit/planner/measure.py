@@ -51,7 +51,7 @@ from resnet18_kit.planner.speed import SpeedTrace, mean_execution_ms, window_fac
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.config import config_on_free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer
-from resnet18_kit.settings import bench_summaries
+from resnet18_kit.load.results import bench_summaries
 
 #: Responses per instance left out of the profile at the start of each batch size's run.
 WARMUP_RESPONSES = 2
@@ -267,7 +267,7 @@ def measure_profile(model: str, batch_sizes: tuple[int, ...], instance_counts: t
 
 
 def server_ceiling_from_bench(results: Path) -> tuple[float, str]:
-    """The trivial-model ceiling (infer/s) of the newest bench summary that has one (settings.bench_summaries
+    """The trivial-model ceiling (infer/s) of the newest bench summary that has one (load.results.bench_summaries
     of the results folder `results`), and the file it came from; (0.0, "") when there is none."""
     for path, summary in bench_summaries(results):
         rows = (summary.get("identity") or {}).get("concurrency") or []
