@@ -69,7 +69,8 @@ def swap_fleet(workdir: Path, targets: list[SwapTarget], admin_key: str | None,
                 on_line(f"{name}: draining in HAProxy")
                 replica.seconds["drain_s"] = _drain(api, name)
                 mark = time.monotonic()
-                swap(control, targets, timeout_s, on_line=lambda line: replica.lines.append(f"{name}: {line}"))
+                swap(control, targets, timeout_s, on_line=lambda line: replica.lines.append(f"{name}: {line}"),
+                     served=previous)
                 replica.seconds["swap_s"] = time.monotonic() - mark
         except SwapError as exc:
             _rejoin(api, name, timeout_s)

@@ -1,6 +1,6 @@
 """Swap a model's config on a running tritonserver: Triton's model-control API (the KServe v2 repository
-extension, `POST /v2/repository/models/<model>/load` with the new config as a JSON override, HTTP), behind
-the admin key.
+extension: gRPC RepositoryModelLoad, over HTTP `POST /v2/repository/models/<model>/load`, with the new
+config as a JSON override; ModelControl says why gRPC), behind the admin key.
 
 What Triton 2.51 does with such a load (measured here, docs/model-repository.md "Swapping configs"): it
 starts the new config's instances (new stub processes) beside the old ones, swaps them in once loaded and
@@ -238,13 +238,14 @@ def refusal(what: str, url: str, status: str | None, message: str) -> str:
 
 
 def swap(control: ModelControl, targets: list[SwapTarget], timeout_s: float = DEFAULT_SWAP_TIMEOUT_S,
-         on_line: Callable[[str], None] = lambda line: None) -> list[SwapOutcome]:
+         on_line: Callable[[str], None] = lambda line: None, served: dict | None = None) -> list[SwapOutcome]:
     """Load every target's config on the server of `control` (module doc) and return what each model
     serves then. Every target is checked against the serving ensembles first (check_fit); then each is
     loaded, its ensembles waited for (up to `timeout_s`), and its config as the server reports it read
     back. On a failure the models already swapped get their previous config back and SwapError is raised
-    (exit_status 1), naming the model and the server's reason."""
-    served = control.served_configs()
+    (exit_status 1), naming the model and the server's reason. served: the configs the server runs (model
+    -> ModelConfig, ModelControl.served_configs) when the caller has just read them; read here otherwise."""
+    served = control.served_configs() if served is None else served
     for target in targets:
         if target.model not in served:
             raise SwapError(f"{target.model}: the server at {control.url} serves no such model "

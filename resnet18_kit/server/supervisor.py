@@ -186,8 +186,7 @@ class Supervisor:
         they changed. After a change with model control on, the configs serving are read again."""
         self._round += 1
         current = {pid: name for name, pid in self.server.stub_pids()}
-        for pid in current:
-            self._first_seen.setdefault(pid, self._round)
+        self._first_seen = {pid: self._first_seen.get(pid, self._round) for pid in current}  # only live pids
         changed = set(current) != set(self._stubs)
         self._stubs = current
         if changed:
@@ -198,8 +197,8 @@ class Supervisor:
         """Why the server must restart when a stub is gone that no swap accounts for, else None.
 
         A swap (server.model_control) starts the new config's stubs beside the old ones and the old ones
-        exit once it serves (0.4 s apart at least, measured: the load, the warm-up and the ensemble's
-        reload lie between). So a stub that is gone is a swap's when another stub of the same instance name
+        exit once it serves (about 2 s apart, measured: the load, the warm-up and the ensemble's reload lie
+        between). So a stub that is gone is a swap's when another stub of the same instance name
         was already running at an earlier check, or when the config now serving has no such instance;
         otherwise it died, and a swap sent onto a model whose stub is dead restarts the server too."""
         before = dict(self._stubs)
@@ -249,7 +248,7 @@ class Supervisor:
                 targets = [SwapTarget(model, config, "the config serving before the restart")
                            for model, config in self._serving.items() if model in now and not same_config(config, now[model])]
                 if targets:
-                    swap(control, targets)
+                    swap(control, targets, served=now)
         except SwapError as exc:
             return f"; could not put back the swapped configs ({exc}): the repository's configs serve"
         return f"; swapped configs put back: {', '.join(t.model for t in targets)}" if targets else ""
