@@ -18,7 +18,8 @@ import importlib
 import signal
 import sys
 
-from resnet18_kit.settings import LOG_LEVELS, Settings, SettingsError
+from resnet18_kit.options import GLOBAL_OPTIONS, Parser, add_global_options, command_parser
+from resnet18_kit.settings import Settings, SettingsError
 
 PROG = "resnet18-kit"
 #: The distribution whose extras install the commands' dependencies.
@@ -38,28 +39,19 @@ COMMANDS = {
     "demo": ("resnet18_kit.demo", "serve", "the main job: serve, classify the sample photos over HTTP and gRPC, stop"),
     "export": ("resnet18_kit.export.__main__", "export",
                "ResNet-18 -> ONNX, TorchScript and INT8 ONNX in the model repository, with parity checks"),
-    "classify": ("resnet18_kit.client.classify", "client", "top-k ImageNet labels for image files, from a server"),
-    "evaluate": ("resnet18_kit.bench.evaluate", "bench",
+    "classify": ("resnet18_kit.client.command", "client", "top-k ImageNet labels for image files, from a server"),
+    "evaluate": ("resnet18_kit.tools.bench.evaluate", "bench",
                  "top-1 accuracy and agreement with FP32 of served variants on a labelled folder"),
-    "bench": ("resnet18_kit.bench.commands", "bench", "benchmarks: perf_analyzer sweeps and the client pipeline"),
-    "reliability": ("resnet18_kit.reliability.__main__", "bench",
+    "bench": ("resnet18_kit.tools.bench.commands", "bench", "benchmarks: perf_analyzer sweeps and the client pipeline"),
+    "reliability": ("resnet18_kit.tools.reliability.__main__", "bench",
                     "overload, faults and shutdown against the real server, every request accounted for"),
-    "plan": ("resnet18_kit.planner.__main__", "bench", "capacity planner: profile, plan, validate"),
-    "model-analyzer": ("resnet18_kit.bench.model_analyzer", "bench",
+    "plan": ("resnet18_kit.tools.planner.__main__", "bench", "capacity planner: profile, plan, validate"),
+    "model-analyzer": ("resnet18_kit.tools.bench.model_analyzer", "bench",
                        "Triton Model Analyzer 1.58 (its own venv) on this repository and the embedded server"),
-    "figures": ("resnet18_kit.bench.figures", "bench", "the figures of docs/ from the newest results"),
-    "perf-analyzer": ("resnet18_kit.load.perf_analyzer", "bench",
+    "figures": ("resnet18_kit.tools.bench.figures", "bench", "the figures of docs/ from the newest results"),
+    "perf-analyzer": ("resnet18_kit.tools.load.perf_analyzer", "bench",
                       "the bundled perf_analyzer 2.51 with its library path set; arguments passed through"),
 }
-#: Global options: (flag, Settings field, help).
-GLOBAL_OPTIONS = (
-    ("--model-repository", "model_repository",
-     "the Triton model repository (default: the checkout's model_repository/, else ./model_repository; "
-     "$RESNET18_KIT_MODEL_REPOSITORY)"),
-    ("--results", "results", "where results go (default: the checkout's results/, else ./results; $RESNET18_KIT_RESULTS)"),
-    ("--log-level", "log_level", f"status lines on stderr at this level and up: {', '.join(LOG_LEVELS)} "
-                                 "(default INFO; $RESNET18_KIT_LOG_LEVEL)"),
-)
 
 
 DESCRIPTION = """\
@@ -73,42 +65,6 @@ examples:
   resnet18-kit serve                                   # HTTP :8000, gRPC :8001, metrics :8002; Ctrl-C stops
   resnet18-kit classify --url 127.0.0.1:8000 photo.jpg some/folder/
   resnet18-kit --results /tmp/r bench run --quick      # about 7 minutes on 2 cores"""
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions keep their line breaks (module docstrings are the help)."""
-
-
-class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line ("resnet18-kit classify: error: ...", exit 2) and
-    that never abbreviates options; subcommand parsers made from it are Parsers too."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def add_global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
-    """GLOBAL_OPTIONS on `parser`; with `suppress` they leave no default (so a value given before the
-    command is not overwritten by the subcommand's parser)."""
-    group = parser.add_argument_group("global options")
-    for flag, dest, help_text in GLOBAL_OPTIONS:
-        group.add_argument(flag, dest=dest, help=help_text, metavar="LEVEL" if dest == "log_level" else "DIR",
-                           type=str.upper if dest == "log_level" else None,
-                           default=argparse.SUPPRESS if suppress else None)
-
-
-def command_parser(subparsers, name: str, help_text: str, description: str | None = None,
-                   parents: tuple = ()) -> argparse.ArgumentParser:
-    """A subcommand's parser: no abbreviations, the description as written, the global options too."""
-    parser = subparsers.add_parser(name, help=help_text, description=description or help_text,
-                                   formatter_class=HelpFormatter, allow_abbrev=False, parents=list(parents))
-    add_global_options(parser, suppress=True)
-    return parser
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

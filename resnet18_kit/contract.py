@@ -1,11 +1,13 @@
-"""The contract every other module builds on: true constants only. Model and tensor names, shapes, ports,
-protocols, the Triton release and the name of the default config variant.
+"""The contract every other module builds on: true constants, and what a server address may be. Model and
+tensor names, shapes, ports, protocols, host:port from a user's URL, the Triton release and the name of the
+default config variant.
 
 It imports nothing else of the package. Folders (model repository, results) are settings
 (resnet18_kit.settings), files inside the model repository are resnet18_kit.repository.ModelRepository's.
 """
 from __future__ import annotations
 
+import urllib.parse
 from pathlib import Path
 
 #: Where this package's source sits (its parent folder): a checkout's root in an editable install, holding
@@ -21,6 +23,23 @@ PROTOCOLS = ("http", "grpc")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 DEFAULT_URLS = {protocol: f"{DEFAULT_HOST}:{DEFAULT_PORTS[protocol]}" for protocol in PROTOCOLS}
+
+
+def host_port(url: str, protocol: str) -> str:
+    """The "host:port" tritonclient takes, from what a user gives: "host:port", or a URL whose scheme is
+    the protocol's ("http://127.0.0.1:8000", "grpc://127.0.0.1:8001"). Raises ValueError naming the problem:
+    another scheme (https needs TLS options this client does not set), a path, no port."""
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"//{url}")
+    if parsed.scheme and parsed.scheme != protocol:
+        raise ValueError(f"URL {url!r}: scheme {parsed.scheme}:// does not match the protocol {protocol} "
+                         f"(give host:port)")
+    try:
+        port = parsed.port
+    except ValueError:  # a port that is not a number
+        port = None
+    if parsed.path.strip("/") or parsed.query or not parsed.hostname or port is None:
+        raise ValueError(f"URL {url!r}: give host:port, e.g. {DEFAULT_URLS[protocol]}")
+    return parsed.netloc
 
 #: Model names as the server knows them (directory names under the model repository).
 PREPROCESS_MODEL = "preprocess"

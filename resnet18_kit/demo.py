@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from resnet18_kit.client.classify import classify_files, format_predictions
+from resnet18_kit.client.command import classify_files, format_predictions
 from resnet18_kit.observe.metrics import average_batch_size, model_counters
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL

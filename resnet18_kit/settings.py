@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from resnet18_kit.client.urls import host_port
-from resnet18_kit.contract import DEFAULT_PORTS, DEFAULT_URLS, PROTOCOLS, REPO_ROOT
+from resnet18_kit.contract import DEFAULT_PORTS, DEFAULT_URLS, PROTOCOLS, REPO_ROOT, host_port
 from resnet18_kit.repository import ModelRepository
 
 ENV = {"model_repository": "RESNET18_KIT_MODEL_REPOSITORY", "results": "RESNET18_KIT_RESULTS",
@@ -55,7 +54,7 @@ def metrics_url_for(url: str) -> str:
 
 
 def check_url(url: str, protocol: str, source: str) -> str:
-    """The host:port tritonclient takes, from `url` as a user gives it (client.urls.host_port: "host:port",
+    """The host:port tritonclient takes, from `url` as a user gives it (contract.host_port: "host:port",
     or a URL whose scheme is `protocol`'s); SettingsError naming `source` (the flag or variable) otherwise."""
     try:
         return host_port(url, protocol)
@@ -125,14 +124,3 @@ def shown(path: Path) -> Path:
     except ValueError:
         return path
 
-
-def add_server_address_options(parser) -> None:
-    """--url, --protocol and --metrics-url: the address of the server a command talks to, defined once for
-    every command that talks to one (Settings.build reads them; argparse parser)."""
-    group = parser.add_argument_group("server address")
-    group.add_argument("--url", help=f"host:port of the server, no scheme (default {DEFAULT_URLS['http']} for "
-                                     f"http, {DEFAULT_URLS['grpc']} for grpc; ${ENV['url']})")
-    group.add_argument("--protocol", type=str.lower, choices=PROTOCOLS,
-                       help=f"http or grpc (KServe v2 / Open Inference Protocol; default http; ${ENV['protocol']})")
-    group.add_argument("--metrics-url", help=f"Prometheus metrics endpoint (default http://<host of --url>:"
-                                             f"{DEFAULT_PORTS['metrics']}/metrics; ${ENV['metrics_url']})")

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client import TritonClassifierClient
 from resnet18_kit.client.errors import InvalidInputError
 from resnet18_kit.contract import PROTOCOLS
 from resnet18_kit.export.resnet18 import model_from_spec
 from resnet18_kit.observe.processes import child_processes
-from resnet18_kit.reliability import RELIABILITY_REPOSITORY
+from resnet18_kit.tools.reliability import RELIABILITY_REPOSITORY
 from resnet18_kit.server.config import config_on_free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.resources import python_backend_regions

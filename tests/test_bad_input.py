@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.client.classifier import TritonClassifierClient, protocol_module
+from resnet18_kit.client import TritonClassifierClient
+from resnet18_kit.client.core import protocol_module
 from resnet18_kit.client.errors import InvalidInputError, from_triton
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ONNX_MODEL, TORCHSCRIPT_MODEL

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from resnet18_kit.bench.sweeps import config_names, levels_for, local_batching
-from resnet18_kit.load.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, command, load_profile_export,
+from resnet18_kit.tools.bench.sweeps import config_names, levels_for, local_batching
+from resnet18_kit.tools.load.perf_analyzer import (EMPTY_EXPORT_ATTEMPTS, RESNET18_LOGITS_BYTES, LoadSpec, command, load_profile_export,
                                  parse_csv, perf_analyzer_binary, run_level)
 from resnet18_kit.observe.model_config import ModelConfigView, served_config
 from resnet18_kit.observe.statistics import model_statistics, statistics_delta
-from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client import TritonClassifierClient
 from resnet18_kit.contract import ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.server.config import config_on_free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer
@@ -113,7 +113,7 @@ def test_short_real_perf_analyzer_run_is_consistent(triton_server, tmp_path):
 def test_stub_profile_classifies_py_spy_samples(tmp_path):
     """py-spy raw lines ("stack count") from a real `record --idle` of the throughput stub: empty stacks
     are the stub outside Python (waiting for a batch), Session.run is compute, the rest Python around it."""
-    from resnet18_kit.bench.stub_profile import summarize
+    from resnet18_kit.tools.bench.stub_profile import summarize
 
     raw = tmp_path / "stub.txt"
     raw.write_text(
@@ -128,7 +128,7 @@ def test_stub_profile_classifies_py_spy_samples(tmp_path):
 def test_a_profile_export_cut_off_keeps_the_complete_requests(tmp_path):
     """perf_analyzer 2.51 can exit 0 with --profile-export-file cut at 64 KiB: the requests recorded
     whole before the cut are kept, the one cut in half is dropped, and the result says it was cut."""
-    from resnet18_kit.load.perf_analyzer import latency_stats_us
+    from resnet18_kit.tools.load.perf_analyzer import latency_stats_us
 
     requests = [{"timestamp": 1_000_000 * i, "request_inputs": {"INPUT": 0.5},
                  "response_timestamps": [1_000_000 * i + 2000], "response_outputs": [{"OUTPUT": 0.5}]}
@@ -166,7 +166,7 @@ def test_periodic_sampler_samples_at_the_interval_and_at_the_edges_and_drops_non
     assert inner.calls == 0 and inner.samples == []  # no interval elapsed, no edges asked for
 
 
-# --- the end-to-end pipeline: encoded photos through the `resnet18` ensemble (resnet18_kit/bench/pipeline.py) ---
+# --- the end-to-end pipeline: encoded photos through the `resnet18` ensemble (resnet18_kit/tools/bench/pipeline.py) ---
 
 
 def test_bytes_input_data_holds_each_photo_as_a_length_prefixed_serialized_tensor(tmp_path):
@@ -175,7 +175,7 @@ def test_bytes_input_data_holds_each_photo_as_a_length_prefixed_serialized_tenso
     import base64
     import struct
 
-    from resnet18_kit.load.photos import write_input_data
+    from resnet18_kit.tools.load.photos import write_input_data
 
     payloads = [b"\xff\xd8 not really a jpeg", bytes(range(256)) * 300]  # the second is over 64 KiB
     paths = []
@@ -205,7 +205,7 @@ def test_command_line_with_input_data_and_without_export_or_shared_memory(tmp_pa
 def test_12mp_photo_set_is_the_sample_photos_as_12_megapixel_jpegs_cached(tmp_path):
     from PIL import Image
 
-    from resnet18_kit.load.photos import photo_set
+    from resnet18_kit.tools.load.photos import photo_set
     from resnet18_kit.client.samples import sample_photos
 
     paths = photo_set("12mp", tmp_path)
@@ -247,8 +247,8 @@ def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on
     counted exactly 12 inferences on the ensemble and on each step, in the batches it reports."""
     import re
 
-    from resnet18_kit.load.photos import write_input_data
-    from resnet18_kit.bench.pipeline import STEP_MODELS, measure_pipeline_level
+    from resnet18_kit.tools.load.photos import write_input_data
+    from resnet18_kit.tools.bench.pipeline import STEP_MODELS, measure_pipeline_level
     from resnet18_kit.client.samples import sample_photos
 
     data = write_input_data(sample_photos(("rocket.jpg", "chelsea.png")), tmp_path / "input.json")
@@ -268,8 +268,8 @@ def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on
 def test_pipeline_report_and_targets_from_a_summary(tmp_path):
     """report.md and both plots from a summary with only the end-to-end part (--skip-tensor-sweeps);
     the targets take the fastest variant."""
-    from resnet18_kit.bench.pipeline import pipeline_targets, ratio_lines, summarize_protocol
-    from resnet18_kit.bench.report import write_report
+    from resnet18_kit.tools.bench.pipeline import pipeline_targets, ratio_lines, summarize_protocol
+    from resnet18_kit.tools.bench.report import write_report
 
     def level(c, img_per_s, p50_ms):
         step = {"queue_us": 1000.0 * c, "compute_infer_us": 8000.0, "average_batch": min(c, 4), "inference_count": 9}
@@ -315,7 +315,7 @@ def test_pipeline_report_and_targets_from_a_summary(tmp_path):
 
 
 def _tensor_config(name: str, max_batch_size: int, levels: tuple[int, ...]) -> dict:
-    """A config of summary.json's "configs" (resnet18_kit/bench/sweeps.py run_config): per level perf_analyzer's
+    """A config of summary.json's "configs" (resnet18_kit/tools/bench/sweeps.py run_config): per level perf_analyzer's
     breakdown (us), throughput rising with the level, the batch sizes the server formed."""
     rows = []
     for level in levels:
@@ -332,7 +332,7 @@ def test_report_batch_size_histograms_share_bins_and_x_limits():
     """Every config's histogram panel has the bins 1..the largest max_batch_size, on one shared x axis."""
     import matplotlib.pyplot as plt
 
-    from resnet18_kit.bench.report import batch_sizes_figure
+    from resnet18_kit.tools.bench.report import batch_sizes_figure
 
     summary = {"configs": [_tensor_config("latency", 4, (1, 2, 4, 8)), _tensor_config("throughput", 32, (1, 32, 64)),
                            _tensor_config("no_batching", 1, (1, 16))]}
@@ -355,7 +355,7 @@ def test_report_latency_breakdown_draws_every_config_at_one_concurrency():
     level nearest 32, written on its bar."""
     import matplotlib.pyplot as plt
 
-    from resnet18_kit.bench.report import BREAKDOWN, breakdown_levels, latency_breakdown_figure
+    from resnet18_kit.tools.bench.report import BREAKDOWN, breakdown_levels, latency_breakdown_figure
 
     configs = [_tensor_config("default", 16, (1, 2, 4, 8, 16, 32, 64)),
                _tensor_config("latency", 16, (1, 2, 4, 8, 16, 32)),

@@ -11,8 +11,8 @@ from resnet18_kit.observe.model_config import ModelConfigView
 
 
 def test_inprocess_pipeline_on_two_photos_runs_the_variants_network_arranged_for_speed(repository):
-    from resnet18_kit.bench.inprocess import bar_batch_sizes
-    from resnet18_kit.bench.pipeline_inprocess import PipelineTwin
+    from resnet18_kit.tools.bench.inprocess import bar_batch_sizes
+    from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin
     from resnet18_kit.client.samples import sample_photos
 
     twin = PipelineTwin(repository, "int8", choose_s=0.3)
@@ -50,7 +50,7 @@ class _FakeLoaders:
 
 
 def test_inprocess_bar_keeps_the_fastest_arrangement_and_batch():
-    from resnet18_kit.bench.inprocess import bar_batch_sizes, strongest
+    from resnet18_kit.tools.bench.inprocess import bar_batch_sizes, strongest
 
     @dataclass(frozen=True)
     class Spec:  # the fields of runtimes.RuntimeSpec that the bar reads
@@ -73,7 +73,7 @@ def test_inprocess_bar_keeps_the_fastest_arrangement_and_batch():
 
 
 def test_bench_states_each_configs_ratio_in_one_line_with_its_placement(repository):
-    from resnet18_kit.bench.report import placement_phrase, ratio_lines
+    from resnet18_kit.tools.bench.report import placement_phrase, ratio_lines
 
     loaders = repository.runtimes()
     phrases = {}
@@ -94,7 +94,7 @@ def test_bench_states_each_configs_ratio_in_one_line_with_its_placement(reposito
 
 
 def test_tensor_targets_read_the_sweeps_and_the_in_process_figures():
-    from resnet18_kit.bench.report import evaluate_targets
+    from resnet18_kit.tools.bench.report import evaluate_targets
 
     def row(level, throughput, p50_ms, average_batch):
         return {"level": level, "throughput": throughput, "p50_us": p50_ms * 1e3, "server": {"average_batch": average_batch}}
@@ -117,7 +117,7 @@ def test_tensor_targets_read_the_sweeps_and_the_in_process_figures():
 
 
 def test_a_perf_analyzer_run_that_never_exits_is_killed_run_once_more_and_reported_as_failed(tmp_path):
-    from resnet18_kit.load.perf_analyzer import HUNG_EXIT, error_summary, run_perf_analyzer
+    from resnet18_kit.tools.load.perf_analyzer import HUNG_EXIT, error_summary, run_perf_analyzer
 
     started = time.monotonic()
     result = run_perf_analyzer(["sh", "-c", "echo started >> " + str(tmp_path / "runs") + "; sleep 30"], tmp_path,

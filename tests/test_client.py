@@ -1,4 +1,4 @@
-"""The client API (client.classifier) over HTTP and gRPC, blocking and asyncio, against the real server:
+"""The client API (client.sync_client) over HTTP and gRPC, blocking and asyncio, against the real server:
 health, metadata, classification, tensors, shared memory, back-pressure retries, deadlines, what the served
 config says about the weights, and `resnet18-kit classify`: its output and every error as one line."""
 from __future__ import annotations
@@ -20,12 +20,11 @@ from PIL import Image
 
 from resnet18_kit.cli import main
 from resnet18_kit.client.backoff import RetryPolicy
-from resnet18_kit.client.async_client import AsyncTritonClassifierClient
-from resnet18_kit.client.classifier import Prediction, TritonClassifierClient
-from resnet18_kit.client.classify import format_predictions, json_line
+from resnet18_kit.client import AsyncTritonClassifierClient, Prediction, TritonClassifierClient
+from resnet18_kit.client.command import format_predictions, json_line
 from resnet18_kit.client.errors import DeadlineExceededError, QueueFullError
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.client.urls import host_port
+from resnet18_kit.contract import host_port
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PROTOCOLS, REPO_ROOT
 from resnet18_kit.export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
 from resnet18_kit.server.config import free_ports

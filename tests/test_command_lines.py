@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from resnet18_kit.client import async_pipeline
+from resnet18_kit.tools.bench import async_pipeline
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import PROTOCOLS, REPO_ROOT
 from resnet18_kit.server.config import free_ports

@@ -24,14 +24,14 @@ import numpy as np
 import pytest
 import yaml
 
-from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client import TritonClassifierClient
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.containers.compose import ComposePorts, ComposeProject
 from resnet18_kit.containers.engine import Engine
 from resnet18_kit.containers.image import IMAGE_TORCH, IMAGES
 from resnet18_kit.contract import ENSEMBLE_MODEL, REPO_ROOT, TORCHSCRIPT_MODEL
-from resnet18_kit.reliability.fleet_load import FleetLoad, Tally
-from resnet18_kit.reliability.loads import ensemble_load, onnx_load, reference_answers
+from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
+from resnet18_kit.tools.reliability.loads import ensemble_load, onnx_load, reference_answers
 
 ADMIN_KEY = "compose-test-admin-key"
 #: docker-compose.yaml's stop_grace_period for Triton.

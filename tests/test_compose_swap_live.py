@@ -12,8 +12,8 @@ import time
 
 from resnet18_kit.containers.compose import ComposePorts, ComposeProject
 from resnet18_kit.contract import ONNX_MODEL
-from resnet18_kit.reliability.fleet_load import FleetLoad, Tally
-from resnet18_kit.reliability.loads import ensemble_load, onnx_load, reference_answers
+from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
+from resnet18_kit.tools.reliability.loads import ensemble_load, onnx_load, reference_answers
 from resnet18_kit.server.model_control import ModelControl, swap, variant_targets
 
 KEY = "compose-swap-test-key"

@@ -17,13 +17,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.client.async_client import AsyncTritonClassifierClient
-from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client import AsyncTritonClassifierClient, TritonClassifierClient
 from resnet18_kit.client.errors import DeadlineExceededError
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.fleet.fleet import Fleet
 from resnet18_kit.observe.statistics import model_statistics
-from resnet18_kit.reliability import deadline_storm, deadlines, fleet_scenarios, wedge
+from resnet18_kit.tools.reliability import deadline_storm, deadlines, fleet_scenarios, wedge
 from resnet18_kit.server.config import ServerConfig, config_on_free_ports, free_ports
 from resnet18_kit.server.grpc_guard import with_timeout
 from resnet18_kit.server.stop import StopRequest
@@ -192,7 +191,7 @@ def test_the_guard_forwards_the_admin_key_and_refuses_without_it(guarded):
 
 
 def test_the_guard_port_taken_is_one_line(test_model_repository, tmp_path):
-    from resnet18_kit.reliability.lifecycle import held_port
+    from resnet18_kit.tools.reliability.lifecycle import held_port
 
     http, grpc_port, metrics, internal = free_ports(4)
     config = ServerConfig(model_repository=test_model_repository, http_port=http, grpc_port=grpc_port,

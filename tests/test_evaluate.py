@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from resnet18_kit.bench.evaluate import (RANDOM_WEIGHTS_NOTE, class_of_folder, folder_labels, load_wnids, summarize,
+from resnet18_kit.tools.bench.evaluate import (RANDOM_WEIGHTS_NOTE, class_of_folder, folder_labels, load_wnids, summarize,
                                          topk_accuracy, wnids_path)
 from resnet18_kit.cli import main as kit_main
-from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client import TritonClassifierClient
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.server.config import config_on_free_ports, free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer

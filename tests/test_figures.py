@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 
-from resnet18_kit.bench import figures, plots
+from resnet18_kit.tools.bench import figures, plots
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1024 * 1024
@@ -56,7 +56,7 @@ def write_bench(folder: Path, pipeline: bool = True, configs: bool = False) -> P
 
 
 def validation_row(config: str, fraction: float, measured_p99_ms: float, predicted_p99_ms: float) -> dict:
-    """One row of validation.json after add_predictions (resnet18_kit/planner/validate_analysis.py)."""
+    """One row of validation.json after add_predictions (resnet18_kit/tools/planner/validate_analysis.py)."""
     predicted = {"offered_rps": 10.0, "throughput_rps": 10.0, "p50_ms": predicted_p99_ms / 2, "p90_ms": 1.0,
                  "p95_ms": 1.0, "p99_ms": predicted_p99_ms, "utilization": fraction, "average_batch": 2.0,
                  "refused": 0, "timed_out": 0, "stalls": 0, "speed_utilization": 0.7, "speed_factor": 1.1,
@@ -131,7 +131,7 @@ def test_validation_without_predictions_yet_is_skipped(tmp_path, caplog):
     row = validation_row("default", 0.3, 40.0, 42.0)
     del row["predicted"]
     (folder / "validation.json").write_text(json.dumps([row]))
-    with caplog.at_level(logging.INFO, logger="resnet18_kit.bench.figures"):
+    with caplog.at_level(logging.INFO, logger="resnet18_kit.tools.bench.figures"):
         assert figures.generate({"validation": folder}, tmp_path / "out", tmp_path, ("validation",)) == {}
     assert "no predicted level yet" in caplog.text and "--predict-only" in caplog.text
 

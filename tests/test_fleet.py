@@ -22,7 +22,7 @@ import tritonclient.http as httpclient
 
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.observe.processes import child_processes
-from resnet18_kit.reliability import fleet_scenarios
+from resnet18_kit.tools.reliability import fleet_scenarios
 from resnet18_kit.server.config import free_ports
 from resnet18_kit.server.resources import python_backend_regions
 

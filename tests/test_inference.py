@@ -7,7 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from resnet18_kit.client.classifier import TritonClassifierClient, protocol_module
+from resnet18_kit.client import TritonClassifierClient
+from resnet18_kit.client.core import protocol_module
 from resnet18_kit.observe.metrics import model_counters
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL

@@ -114,7 +114,7 @@ def test_export_refuses_a_corrupt_calibration_image_before_writing_anything(tmp_
 
 
 def test_lone_client_summary_counts_stalls():
-    from resnet18_kit.bench.lone_client import latency_summary_ms
+    from resnet18_kit.tools.bench.lone_client import latency_summary_ms
 
     summary = latency_summary_ms(np.array([10.0] * 98 + [250.0, 530.0]))
     assert summary["requests"] == 100 and summary["over_200_ms"] == 2 and summary["max_ms"] == 530.0
@@ -145,7 +145,7 @@ def test_a_process_that_measured_openvino_in_process_survives_a_signal_afterward
     script = (
         "import gc, os, signal, sys, time\n"
         "from pathlib import Path\n"
-        "from resnet18_kit.bench.pipeline_inprocess import PipelineTwin\n"
+        "from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin\n"
         "from resnet18_kit.repository import ModelRepository\n"
         "twin = PipelineTwin(ModelRepository(Path(sys.argv[1])), 'int8', choose_s=0.2)\n"
         "del twin\n"

@@ -13,10 +13,10 @@ import time
 import pytest
 import tritonclient.http as httpclient
 
-from resnet18_kit.reliability.lifecycle import CASES, ServeRun, held_port, repeated_stops, run_case
-from resnet18_kit.reliability.loads import echo_load, response_id
-from resnet18_kit.reliability.senders import infer, send_fresh
-from resnet18_kit.reliability import ECHO_MODEL, repository_with
+from resnet18_kit.tools.reliability.lifecycle import CASES, ServeRun, held_port, repeated_stops, run_case
+from resnet18_kit.tools.reliability.loads import echo_load, response_id
+from resnet18_kit.tools.reliability.senders import infer, send_fresh
+from resnet18_kit.tools.reliability import ECHO_MODEL, repository_with
 from resnet18_kit.server.config import (ConfigurationError, PortBusyError, ServerConfig, check_ports_free,
                                         config_on_free_ports, free_ports)
 from resnet18_kit.server.embedded import EmbeddedTritonServer

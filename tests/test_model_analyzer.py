@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from resnet18_kit.bench.model_analyzer import DEFAULT_VENV, VERSION, installed_version
+from resnet18_kit.tools.bench.model_analyzer import DEFAULT_VENV, VERSION, installed_version
 from resnet18_kit.server.resources import python_backend_regions
 
 KIT = Path(sys.executable).parent / "resnet18-kit"
@@ -67,7 +67,7 @@ def test_a_config_model_analyzer_cannot_load_is_one_line(tmp_path):
 def test_the_best_config_is_the_highest_throughput_within_the_p99_budget():
     """Model Analyzer's rows: the 300 ms row is faster but outside a 200 ms budget, so the 100 ms row wins;
     a model whose rows all miss the budget has no best config and is named in the summary."""
-    from resnet18_kit.bench.model_analyzer import best_configs, format_summary
+    from resnet18_kit.tools.bench.model_analyzer import best_configs, format_summary
 
     def row(model, config, concurrency, throughput, p99):
         return {"Model": model, "Model Config Path": config, "Instance Group": "1:CPU", "Max Batch Size": "8",

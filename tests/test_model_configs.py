@@ -168,9 +168,9 @@ def test_instance_count_with_gpus_counts_per_gpu_and_refuses_kind_gpu_without_on
 
 
 def test_bench_and_planner_read_the_same_figures_through_one_reader(repository):
-    from resnet18_kit.bench.sweeps import local_batching
-    from resnet18_kit.planner.__main__ import configs_instance_counts
-    from resnet18_kit.planner.batcher import batcher_from_config
+    from resnet18_kit.tools.bench.sweeps import local_batching
+    from resnet18_kit.tools.planner.__main__ import configs_instance_counts
+    from resnet18_kit.tools.planner.batcher import batcher_from_config
 
     cpu_variants = [name for name in repository.variant_names(contract.ONNX_MODEL) if name != "gpu"]
     assert {"default", "latency", "throughput", "no_batching"} <= set(cpu_variants)

@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException
 
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.observe.model_config import max_queue_size, read_config
-from resnet18_kit.reliability import ECHO_MODEL, RELIABILITY_REPOSITORY, repository_with
+from resnet18_kit.tools.reliability import ECHO_MODEL, RELIABILITY_REPOSITORY, repository_with
 from resnet18_kit.server.config import config_on_free_ports, free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 
@@ -350,7 +350,7 @@ def test_rules_and_hpa_signal_over_a_fleet(tmp_path_factory):
     ports as two pods: the flood goes through HAProxy's gRPC front end, the queue alert fires for each
     replica, and the adapter's query (both pods in one query, as the HPA asks) gives each pod's signal."""
     from resnet18_kit.fleet.fleet import Fleet
-    from resnet18_kit.reliability.fleet_scenarios import fleet_config, light_repository
+    from resnet18_kit.tools.reliability.fleet_scenarios import fleet_config, light_repository
 
     repository = light_repository(tmp_path_factory.mktemp("fleet-repository") / "models")
     fleet = Fleet(fleet_config(repository, tmp_path_factory.mktemp("fleet"), replicas=2))

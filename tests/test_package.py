@@ -211,5 +211,8 @@ def test_the_layout_page_names_every_folder_of_the_package():
     folders = sorted({path.parent.relative_to(REPO_ROOT / "resnet18_kit").parts[0]
                       for path in (REPO_ROOT / "resnet18_kit").glob("*/__init__.py")})
     assert len(folders) >= 7
-    missing = [folder for folder in folders if f"  {folder}/ " not in layout]
+    tools = sorted(path.parent.name for path in (REPO_ROOT / "resnet18_kit" / "tools").glob("*/__init__.py"))
+    assert len(tools) >= 4
+    missing = [folder for folder in folders if f"  {folder}/" not in layout]
+    missing += [f"tools/{tool}" for tool in tools if f"    {tool}/ " not in layout]
     assert not missing, f"docs/layout.md has no line for {missing}"

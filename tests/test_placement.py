@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.client import TritonClassifierClient
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.observe.placement import (PlacementSampler, describe, parse_cpu_list, shared_pinned_cores,

@@ -9,12 +9,12 @@ from collections import deque
 import numpy as np
 import pytest
 
-from resnet18_kit.planner.arrivals import Bursty, Poisson, Trace
-from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy, Request, form_batch
-from resnet18_kit.planner.profile import BatchTiming, Profile, constant_profile
-from resnet18_kit.planner.search import SearchSpace, Slo, capacity_bound, format_plan, p99_trust, plan, speed_for
-from resnet18_kit.planner.simulator import LostWakeup, simulate
-from resnet18_kit.planner.speed import SpeedTrace, window_factors
+from resnet18_kit.tools.planner.arrivals import Bursty, Poisson, Trace
+from resnet18_kit.tools.planner.batcher import BatcherConfig, QueuePolicy, Request, form_batch
+from resnet18_kit.tools.planner.profile import BatchTiming, Profile, constant_profile
+from resnet18_kit.tools.planner.search import SearchSpace, Slo, capacity_bound, format_plan, p99_trust, plan, speed_for
+from resnet18_kit.tools.planner.simulator import LostWakeup, simulate
+from resnet18_kit.tools.planner.speed import SpeedTrace, window_factors
 
 
 def queue_of(arrivals_s, sizes=None, deadlines_s=None) -> deque:
@@ -169,7 +169,7 @@ def test_lost_wakeup_model_holds_the_queue_until_the_next_arrival_or_500_ms():
     assert stalled.stalls == 3
 
 
-# -- speed under load (resnet18_kit/planner/speed.py) -------------------------------------------------------------------
+# -- speed under load (resnet18_kit/tools/planner/speed.py) -------------------------------------------------------------------
 
 def test_window_factors_divide_each_windows_mean_execution_by_the_baseline():
     # cumulative (executions, compute ns): 10 x 20 ms, then 10 x 30 ms, then 2 executions (too few), then 5 x 40 ms
@@ -299,7 +299,7 @@ def test_trace_loads_text_and_perf_analyzer_export(tmp_path):
 
 
 def test_the_gpu_rows_are_on_paper_and_follow_the_published_figure():
-    from resnet18_kit.planner.scale import A100_RESNET50, GFLOPS, gpu_rows_on_paper
+    from resnet18_kit.tools.planner.scale import A100_RESNET50, GFLOPS, gpu_rows_on_paper
 
     rows = gpu_rows_on_paper((1_000, 20_000, 1_000_000), ceiling_rps=6_614)
     per_gpu = A100_RESNET50.infer_per_s * GFLOPS["resnet50"] / GFLOPS["resnet18"]
@@ -315,7 +315,7 @@ def test_max_rate_is_the_highest_load_one_device_serves_within_the_slo():
     """The textbook device (any batch up to 100 in 100 ms: 1,000 infer/s): with batching one device meets
     p99 <= 500 ms up to just below 1,000/s; unbatched (10/s at most) far less; a 50 ms budget, shorter than
     one execution plus any wait for it, cannot be met at any load."""
-    from resnet18_kit.planner.search import max_rate
+    from resnet18_kit.tools.planner.search import max_rate
 
     device = constant_profile(100.0, 100)
     batched = max_rate(device, Slo(99, 500), SearchSpace(requests=4000, no_batching=False, max_batch_sizes=(100,),

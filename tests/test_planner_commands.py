@@ -12,9 +12,9 @@ import pytest
 
 from resnet18_kit.cli import main as cli_main
 from resnet18_kit.observe.model_config import ModelConfigView, read_config
-from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy, batcher_from_config
-from resnet18_kit.planner.pbtxt import planned_config, write_config
-from resnet18_kit.planner.profile import BatchTiming, Profile
+from resnet18_kit.tools.planner.batcher import BatcherConfig, QueuePolicy, batcher_from_config
+from resnet18_kit.tools.planner.pbtxt import planned_config, write_config
+from resnet18_kit.tools.planner.profile import BatchTiming, Profile
 
 
 # -- configs in and out -------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def test_plan_command_writes_a_servable_config_outside_the_model_repository(tmp_
 # -- reading Triton's request trace (validation) ------------------------------------------------------------
 
 def test_trace_summary_finds_requests_left_waiting_by_a_missed_wakeup(tmp_path):
-    from resnet18_kit.planner.validate_analysis import read_traces, split_levels, trace_summary
+    from resnet18_kit.tools.planner.validate_analysis import read_traces, split_levels, trace_summary
 
     ms = 1_000_000
     # (queue start, compute start, compute end) in ms; one instance, no queue delay, batches of up to 4.
@@ -106,7 +106,7 @@ def test_progress_counts_steps_and_logs_each_with_its_eta(caplog):
 
     from resnet18_kit.progress import Progress
 
-    from resnet18_kit.planner.__main__ import log
+    from resnet18_kit.tools.planner.__main__ import log
 
     assert log.name.startswith("resnet18_kit.")  # under the tree cli's setup_logging configures
     caplog.set_level(logging.INFO, logger=log.name)
@@ -128,8 +128,8 @@ def test_profile_progress_counts_the_measurements_measure_profile_reports():
     from resnet18_kit.progress import Progress
     import inspect
 
-    from resnet18_kit.planner import measure
-    from resnet18_kit.planner.__main__ import profile_runs
+    from resnet18_kit.tools.planner import measure
+    from resnet18_kit.tools.planner.__main__ import profile_runs
 
     # 6 batch sizes + the lone request + speed at 25/50/75% + the closed loop: the 11 lines of a default run
     assert profile_runs([1, 2, 4, 8, 16, 32], [1], speed_under_load=True) == 11
@@ -164,7 +164,7 @@ def test_plan_is_a_command_of_resnet18_kit_with_the_global_options_and_no_abbrev
 
 
 def test_validate_profiles_the_instance_counts_of_the_configs_it_validates(repository):
-    from resnet18_kit.planner.__main__ import configs_instance_counts
+    from resnet18_kit.tools.planner.__main__ import configs_instance_counts
 
     # config.pbtxt runs 2 instances of which the rate limiter lets one execute (each with both cores: the
     # one-instance table), latency 1, throughput 2 at once (one core each): a profile of 1 alone could not

@@ -1,4 +1,4 @@
-"""The ensemble as two stages (resnet18_kit/planner/ensemble.py): the tandem simulation, the capacity of
+"""The ensemble as two stages (resnet18_kit/tools/planner/ensemble.py): the tandem simulation, the capacity of
 two stages sharing a device, the plan and its written configs, bad profiles. No server."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from resnet18_kit.planner.batcher import BatcherConfig, QueuePolicy
-from resnet18_kit.planner.ensemble import (EnsembleProfile, Interference, StageConfig, format_ensemble_plan,
+from resnet18_kit.tools.planner.batcher import BatcherConfig, QueuePolicy
+from resnet18_kit.tools.planner.ensemble import (EnsembleProfile, Interference, StageConfig, format_ensemble_plan,
                                            plan_ensemble, simulate_ensemble)
-from resnet18_kit.planner.profile import BatchTiming, Profile
-from resnet18_kit.planner.search import SearchSpace, Slo
+from resnet18_kit.tools.planner.profile import BatchTiming, Profile
+from resnet18_kit.tools.planner.search import SearchSpace, Slo
 
 KIT = Path(sys.executable).parent / "resnet18-kit"
 
@@ -119,7 +119,7 @@ def test_the_served_stages_of_a_config_name_as_tritonserver_picks_them(tmp_path)
     network runs its 2 instances at once and preprocess (no configs/int8.pbtxt) its config.pbtxt's
     3; under "default" the network has 2 instances and the rate limiter lets one run at a time; a planned
     name serves the planned files of both stages."""
-    from resnet18_kit.planner.validate_ensemble import scratch_repository, served_stages
+    from resnet18_kit.tools.planner.validate_ensemble import scratch_repository, served_stages
     from resnet18_kit.settings import Settings
 
     source = Settings.build().repository
@@ -138,7 +138,7 @@ def test_the_served_stages_of_a_config_name_as_tritonserver_picks_them(tmp_path)
 
 
 def test_the_validation_table_judges_both_targets():
-    from resnet18_kit.planner.validate_ensemble import format_table, met
+    from resnet18_kit.tools.planner.validate_ensemble import format_table, met
 
     def row(throughput, p99):
         return {"config": "default", "fraction": 0.7, "rate_rps": 50.0, "measured": {
@@ -156,8 +156,8 @@ def test_calibration_makes_the_model_capacity_the_closed_loop_throughput(tmp_pat
     faster than the model changes nothing (the factor is at least 1)."""
     from dataclasses import replace
 
-    from resnet18_kit.planner.ensemble import calibrated
-    from resnet18_kit.planner.validate_ensemble import capacity_rps
+    from resnet18_kit.tools.planner.ensemble import calibrated
+    from resnet18_kit.tools.planner.validate_ensemble import capacity_rps
 
     one_by_one = BatcherConfig(max_batch_size=1, dynamic_batching=False)
     base = ensemble_profile()
@@ -192,7 +192,7 @@ def test_rate_limited_network_instances_execute_one_at_a_time_and_the_second_hol
     all the time (150 photos/s, 40 ms a batch), the idle instance takes what queued during the running
     execution, the batch one instance would form, and holds it until the slot frees: every request waits
     one execution more than with one instance (p50 and p99 + 40 ms)."""
-    from resnet18_kit.planner.validate_ensemble import capacity_rps
+    from resnet18_kit.tools.planner.validate_ensemble import capacity_rps
 
     profile = ensemble_profile(pre_ms=5.0, net_ms=40.0)
     network = BatcherConfig(max_batch_size=16)
@@ -216,8 +216,8 @@ def test_the_ensemble_level_throughput_comes_from_the_trace_of_the_requests_in_i
     """Triton's trace as the server writes it (one entry per timestamp, the composing models' records
     beside the ensemble's, which has no COMPUTE_*): the ensemble's requests are read, the ones received
     inside the level's window counted, over the span from the first start to the last end."""
-    from resnet18_kit.planner.validate_analysis import read_traces
-    from resnet18_kit.planner.validate_ensemble import traced_throughput
+    from resnet18_kit.tools.planner.validate_analysis import read_traces
+    from resnet18_kit.tools.planner.validate_ensemble import traced_throughput
 
     entries, ms = [], 1_000_000
     for i in range(10):  # 10 ensemble requests, one every 100 ms from t = 1 s, each answered 50 ms later
@@ -240,7 +240,7 @@ def test_the_ensemble_level_throughput_comes_from_the_trace_of_the_requests_in_i
     assert count == 5 and throughput == pytest.approx(5 / 0.45)
     assert traced_throughput(ensemble, 0, 10 * ms) == (0.0, 0)
     # A new run at the same path starts from no pieces: an earlier run's would be merged into its records.
-    from resnet18_kit.planner.validate import trace_args
+    from resnet18_kit.tools.planner.validate import trace_args
     (tmp_path / "trace.jsonl").write_text("not a piece of this trace")
     args = trace_args(trace)
     assert f"--trace-config=triton,file={trace}" in args and "--trace-config=level=TIMESTAMPS" in args

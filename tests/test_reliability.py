@@ -2,7 +2,7 @@
 nothing hangs, nothing is answered twice, and the server's counters add up to what the clients saw;
 queue timeouts; readiness while the queue is full and the overload signal operators can use instead.
 
-The scenarios live in resnet18_kit/reliability/, one module each (`resnet18-kit reliability run`
+The scenarios live in resnet18_kit/tools/reliability/, one module each (`resnet18-kit reliability run`
 runs them bigger for docs/reliability.md); these tests run them small and assert the invariants, not
 throughput.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 from resnet18_kit.contract import PROTOCOLS
-from resnet18_kit.load.outcomes import ANSWERED, REFUSED, TIMED_OUT
-from resnet18_kit.reliability.burst import burst
-from resnet18_kit.reliability.loads import onnx_load, reference_answers
-from resnet18_kit.reliability.queue_timeout import queue_timeouts
-from resnet18_kit.reliability.readiness import readiness_under_overload
-from resnet18_kit.reliability.refusal import refusal_latency
+from resnet18_kit.tools.load.outcomes import ANSWERED, REFUSED, TIMED_OUT
+from resnet18_kit.tools.reliability.burst import burst
+from resnet18_kit.tools.reliability.loads import onnx_load, reference_answers
+from resnet18_kit.tools.reliability.queue_timeout import queue_timeouts
+from resnet18_kit.tools.reliability.readiness import readiness_under_overload
+from resnet18_kit.tools.reliability.refusal import refusal_latency
 
 #: A single request refused because the queue is full is answered within this bound (measured: a few
 #: ms; 50 ms leaves margin for a noisy 2-core machine whose cores ResNet-18 keeps busy meanwhile).

@@ -15,13 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.client.classifier import protocol_module
+from resnet18_kit.client.core import protocol_module
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import PROTOCOLS
 from resnet18_kit.contract import PREPROCESS_MODEL
-from resnet18_kit.load.outcomes import ANSWERED, INVALID, classify_error
+from resnet18_kit.tools.load.outcomes import ANSWERED, INVALID, classify_error
 from resnet18_kit.observe.process_memory import MemorySampler
-from resnet18_kit.reliability.bad_input import bad_input_corpus, encode, odd_images, send_image
+from resnet18_kit.tools.reliability.bad_input import bad_input_corpus, encode, odd_images, send_image
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.config import MiB
 

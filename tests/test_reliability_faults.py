@@ -12,12 +12,12 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from resnet18_kit.load.outcomes import ANSWERED, ERROR, REFUSED
-from resnet18_kit.reliability import ECHO_MODEL, repository_with
-from resnet18_kit.reliability.crash_request import send_crashing_request
-from resnet18_kit.reliability.loads import echo_load
-from resnet18_kit.reliability.sigterm import sigterm_in_flight, start_serve, wait_ready
-from resnet18_kit.reliability.stub_kill import stub_kill
+from resnet18_kit.tools.load.outcomes import ANSWERED, ERROR, REFUSED
+from resnet18_kit.tools.reliability import ECHO_MODEL, repository_with
+from resnet18_kit.tools.reliability.crash_request import send_crashing_request
+from resnet18_kit.tools.reliability.loads import echo_load
+from resnet18_kit.tools.reliability.sigterm import sigterm_in_flight, start_serve, wait_ready
+from resnet18_kit.tools.reliability.stub_kill import stub_kill
 from resnet18_kit.server.config import config_on_free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from resnet18_kit.reliability import ECHO_MODEL, repository_with
-from resnet18_kit.reliability.restricted_api import restricted_api_checks
+from resnet18_kit.tools.reliability import ECHO_MODEL, repository_with
+from resnet18_kit.tools.reliability.restricted_api import restricted_api_checks
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.server.__main__ import InsecureBindError, add_server_arguments, config_from_args
 from resnet18_kit.server.config import ServerConfig, config_on_free_ports

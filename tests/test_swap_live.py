@@ -16,9 +16,9 @@ import time
 import pytest
 
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL
-from resnet18_kit.reliability import swap_scenarios
-from resnet18_kit.reliability.fleet_load import FleetLoad
-from resnet18_kit.reliability.loads import ensemble_load, reference_answers
+from resnet18_kit.tools.reliability import swap_scenarios
+from resnet18_kit.tools.reliability.fleet_load import FleetLoad
+from resnet18_kit.tools.reliability.loads import ensemble_load, reference_answers
 from resnet18_kit.server.config import config_on_free_ports, free_ports
 from resnet18_kit.server.model_control import ModelControl, swap, variant_targets
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
@@ -185,7 +185,7 @@ def test_triton_251_answers_an_image_seen_before_a_swap_from_its_cache_with_the_
     import numpy as np
     import tritonclient.grpc as grpcclient
 
-    from resnet18_kit.load.photos import tagged
+    from resnet18_kit.tools.load.photos import tagged
     from resnet18_kit.server.config import DEFAULT_CACHE_BYTES
     from resnet18_kit.server.embedded import EmbeddedTritonServer
 

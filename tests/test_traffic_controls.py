@@ -18,16 +18,15 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from resnet18_kit.bench import traffic
-from resnet18_kit.client.async_client import AsyncTritonClassifierClient
-from resnet18_kit.client.classifier import TritonClassifierClient
+from resnet18_kit.tools.bench import traffic
+from resnet18_kit.client import AsyncTritonClassifierClient, TritonClassifierClient
 from resnet18_kit.client.errors import RequestCancelledError
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import REPO_ROOT, ENSEMBLE_MODEL, IMAGE_INPUT, LOGITS_OUTPUT, ONNX_MODEL, PROBABILITIES_OUTPUT
-from resnet18_kit.load.photos import tagged
+from resnet18_kit.tools.load.photos import tagged
 from resnet18_kit.observe.metrics import cache_counters
 from resnet18_kit.observe.statistics import model_statistics
-from resnet18_kit.reliability import deadline_storm, deadlines
+from resnet18_kit.tools.reliability import deadline_storm, deadlines
 from resnet18_kit.server.config import DEFAULT_CACHE_BYTES, config_on_free_ports, free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 

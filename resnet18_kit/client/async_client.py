@@ -1,6 +1,6 @@
-"""The asyncio client: `AsyncTritonClassifierClient`, the twin of client.classifier.TritonClassifierClient
+"""The asyncio client: `AsyncTritonClassifierClient`, the twin of client.sync_client.TritonClassifierClient
 (same arguments, methods, retries, deadlines and typed errors, as coroutines over tritonclient.http.aio /
-tritonclient.grpc.aio). Both are shells around client.core.ClientCore; see client.classifier for the
+tritonclient.grpc.aio). Both are shells around client.core.ClientCore; see client.sync_client for the
 behaviour they share.
 
     async with AsyncTritonClassifierClient("127.0.0.1:8000", protocol="http") as client:
@@ -33,7 +33,7 @@ class AsyncTritonClassifierClient(ClientCore):
             self._client = self._module.InferenceServerClient(self.url)
         self._lock = asyncio.Lock()
         #: Inferences whose caller stopped waiting (its deadline, or its task cancelled): (task, loop time
-        #: by which the RPC ends). close() awaits them, so no request is cancelled (client.classifier).
+        #: by which the RPC ends). close() awaits them, so no request is cancelled (client.sync_client).
         self._unanswered: dict[asyncio.Task, float | None] = {}
 
     @property

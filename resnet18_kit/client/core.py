@@ -5,7 +5,7 @@ registration, close) is a generator method of `ClientCore`. It builds the reques
 retries and backoff, maps failures to the typed errors of `client.errors` and parses the answers; for
 every exchange with the server it yields a `Call` (a tritonclient method name and its arguments), for
 every wait a `Sleep`, and it receives the answer (or has the failure thrown in) in return. The shells
-drive these generators: `client.classifier.TritonClassifierClient` with blocking calls and time.sleep,
+drive these generators: `client.sync_client.TritonClassifierClient` with blocking calls and time.sleep,
 `client.async_client.AsyncTritonClassifierClient` with awaits and asyncio.sleep. So the two clients
 differ only in how a Call is performed, never in what is sent or how an answer is read.
 
@@ -25,9 +25,8 @@ from resnet18_kit.client.backoff import Deadline, RetryPolicy
 from resnet18_kit.client.errors import (DeadlineExceededError, QueueFullError, RequestCancelledError,
                                         ServerUnavailableError, typed_error)
 from resnet18_kit.client.shared_memory import TensorRegions
-from resnet18_kit.client.urls import host_port
 from resnet18_kit.contract import (DEFAULT_URLS, FP32_BYTES, IMAGE_INPUT, IMAGE_SHAPE, LOGITS_OUTPUT, NUM_CLASSES,
-                                   PROBABILITIES_OUTPUT, PROTOCOLS, TENSOR_INPUT)
+                                   PROBABILITIES_OUTPUT, PROTOCOLS, TENSOR_INPUT, host_port)
 from resnet18_kit.observe.model_config import ModelConfigView, priority_levels
 
 #: Right after an inference Triton may still hold a region and refuse to unregister it ("currently in
@@ -72,7 +71,7 @@ class Call:
     timeout_s: float | None = None
     rpc_timeout_s: float | None = None
     #: The caller's cancellation (threading.Event for the blocking client, asyncio.Event for the asyncio
-    #: one): once set, the shell cancels the request (module doc of client.classifier, "Cancellation").
+    #: one): once set, the shell cancels the request (module doc of client.sync_client, "Cancellation").
     cancel: object = None
 
 
@@ -128,7 +127,7 @@ class ClientCore:
     the driver; the attributes below are public on both.
 
     url: "host:port" (default 127.0.0.1:8000 for http, :8001 for grpc), or a URL with the protocol's
-        scheme ("http://host:port"); ValueError for anything else (client.urls.host_port).
+        scheme ("http://host:port"); ValueError for anything else (contract.host_port).
     protocol: "http" or "grpc" (ValueError for another).
     retry: backoff and default deadline (`deadline_s`, seconds) of each call.
     shared_memory: pass infer_tensor's input and output through system shared memory.
@@ -243,7 +242,7 @@ class ClientCore:
     def _infer(self, model: str, build, parse, deadline_s: float | None, priority: int = 0,
                cancel=None) -> Steps:
         """Send one inference, retrying queue-full refusals with backoff until the deadline (module doc of
-        client.classifier). build() -> (inputs, outputs); parse(result) -> the answer. The remaining
+        client.sync_client). build() -> (inputs, outputs); parse(result) -> the answer. The remaining
         time goes to the server as the request's `timeout` (microseconds): a queue that allows it
         (allow_timeout_override) refuses the request once nobody waits for it, instead of the client
         cancelling it; the RPC's own deadline is rpc_deadline_s of it. priority: the request's priority

@@ -215,7 +215,7 @@ def parse_served_config(served: dict):
 
 def served_config(client, model: str) -> dict:
     """The batching settings the server actually loaded for `model`, read back over HTTP or gRPC with a
-    client.classifier.TritonClassifierClient and read with this module's functions: max_batch_size,
+    client.sync_client.TritonClassifierClient and read with this module's functions: max_batch_size,
     dynamic_batching (bool), preferred_batch_size, max_queue_delay_us, max_queue_size (0 = unbounded),
     instances (the server's normalized instance groups: every count already filled in)."""
     config = parse_served_config(client.model_config(model))

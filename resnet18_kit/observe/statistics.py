@@ -116,7 +116,7 @@ class CpuSampler(PeriodicSampler):
 
 class ExecutionSampler(PeriodicSampler):
     """A model's cumulative (execution_count, compute_infer ns) from the statistics extension every
-    `interval_s` seconds, at entry and at exit too (resnet18_kit/planner/measure.py's speed under load)."""
+    `interval_s` seconds, at entry and at exit too (resnet18_kit/tools/planner/measure.py's speed under load)."""
 
     def __init__(self, http_url: str, model: str, interval_s: float):
         super().__init__(interval_s, at_edges=True)
