@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from resnet18_kit.contract import DEFAULT_PORTS, DEFAULT_URLS, PROTOCOLS, REPO_ROOT, host_port
+from resnet18_kit.contract import DEFAULT_PORTS, DEFAULT_URLS, DEFAULT_VARIANT, PROTOCOLS, REPO_ROOT, host_port
 from resnet18_kit.repository import ModelRepository
 
 ENV = {"model_repository": "RESNET18_KIT_MODEL_REPOSITORY", "results": "RESNET18_KIT_RESULTS",
@@ -115,6 +115,15 @@ class Settings:
         metrics_url, _ = pick("metrics_url")
         return cls(model_repository=repository, results=results, log_level=log_level, protocol=protocol,
                    url=url, metrics_url=str(metrics_url) if metrics_url else metrics_url_for(url))
+
+
+def shipped_variants() -> list[str]:
+    """The config variant names of the default model repository (the checkout's, else ./model_repository),
+    for the commands' --help; ["default"] when it cannot be read."""
+    try:
+        return ModelRepository(default_folder("model_repository")).variant_names()
+    except OSError:
+        return [DEFAULT_VARIANT]
 
 
 def shown(path: Path) -> Path:

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from resnet18_kit.contract import DEFAULT_URLS
-from resnet18_kit.settings import Settings, shown
+from resnet18_kit.settings import Settings, shipped_variants, shown
 from resnet18_kit.server.embedded import ADMIN_KEY_ENV
 from resnet18_kit.server.model_control import (DEFAULT_SWAP_TIMEOUT_S, ModelControl, SwapError, file_target, swap,
                                                variant_targets)
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model-config-name", metavar="NAME",
                       help="the variant to serve: <model>/configs/NAME.pbtxt where present, else config.pbtxt "
-                           "(\"default\": config.pbtxt everywhere)")
+                           f"(\"default\": config.pbtxt everywhere); the shipped names: {', '.join(shipped_variants())}")
     what.add_argument("--config", type=Path, metavar="FILE", help="a config file (config.pbtxt syntax) to load")
     parser.add_argument("--model", action="append", metavar="MODEL",
                         help="swap this model only (repeat for more; default: every model of the repository, or "

@@ -112,6 +112,26 @@ def test_every_figure_written_small_from_hand_made_results(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_tensor_sweeps_also_write_the_docs_tables_and_their_backing_file(tmp_path):
+    """docs/figures/configs.json and the page's "Choosing a config" table come from the same summary; the
+    hand-written "use it for" cells of the page are kept, the figures replaced."""
+    checkout = tmp_path / "checkout"
+    page = checkout / "docs" / "model-repository.md"
+    page.parent.mkdir(parents=True)
+    page.write_text("# x\n\n<!-- choosing-a-config -->\n| variant | use it for |\n|---|---|\n"
+                    "| `gpu` | a GPU machine |\n<!-- /choosing-a-config -->\n\nafter\n")
+    bench = write_bench(tmp_path / "bench", configs=True)
+    figures.generate({"tensor": bench}, checkout / "docs" / "figures", tmp_path / "results", ("tensor",))
+    data = json.loads((checkout / "docs" / "figures" / "configs.json").read_text())
+    summary = json.loads((bench / "summary.json").read_text())
+    assert [row["variant"] for row in data["rows"]] == [config["name"] for config in summary["configs"]]
+    best = max(summary["configs"][0]["concurrency"], key=lambda row: row["throughput"])["throughput"]
+    assert data["rows"][0]["infer_per_s"] == round(best, 1)
+    text = page.read_text()
+    assert "| `gpu` | a GPU machine | - | - | - |" in text and text.endswith("\n\nafter\n")
+    assert f"{round(best, 1):g} (" in text
+
+
 def test_the_command_skips_a_missing_input_with_a_line_and_writes_the_others(tmp_path):
     out = tmp_path / "figures"
     result = run_command("--pipeline", str(write_bench(tmp_path / "bench")), "--tensor", str(tmp_path / "bench"),

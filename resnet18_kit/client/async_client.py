@@ -93,12 +93,15 @@ class AsyncTritonClassifierClient(ClientCore):
         return step
 
     async def is_server_live(self) -> bool:
+        """As `TritonClassifierClient.is_server_live`: True when the server is live."""
         return await self._run(self._is_server_live())
 
     async def is_server_ready(self) -> bool:
+        """As `TritonClassifierClient.is_server_ready`: True when the server is ready to serve."""
         return await self._run(self._is_server_ready())
 
     async def is_model_ready(self, model: str) -> bool:
+        """As `TritonClassifierClient.is_model_ready`: True when `model` is loaded and ready."""
         return await self._run(self._is_model_ready(model))
 
     async def server_metadata(self) -> dict:
@@ -133,14 +136,30 @@ class AsyncTritonClassifierClient(ClientCore):
     async def classify(self, images: Sequence[bytes], top_k: int = 5, model: str = ENSEMBLE_MODEL,
                        deadline_s: float | None = None, priority: int = 0,
                        cancel: asyncio.Event | None = None) -> list[list[Prediction]]:
-        """As `TritonClassifierClient.classify`; `cancel` (an asyncio.Event) works over HTTP too: the
-        request's connection is closed and the caller freed (Triton 2.51 still computes the request).
-        Cancelling the task instead leaves the request to finish unanswered (as a deadline does)."""
+        """Classify encoded images in one request: the arguments, return value and errors of
+        `TritonClassifierClient.classify`.
+
+        Args:
+            images: encoded image files as bytes, at most max_batch_size (16).
+            top_k: predictions per image, 1..1000. model: the ensemble (default "resnet18").
+            deadline_s: the call's time budget in seconds. priority: 1 = interactive, 0 = default.
+            cancel: an asyncio.Event; setting it cancels the request over gRPC and HTTP alike (over HTTP
+                the connection is closed and the caller freed; Triton 2.51 still computes the request).
+                Cancelling the task instead leaves the request to finish unanswered, as a deadline does.
+
+        Returns:
+            One list per image of its top_k Prediction rows, most probable first.
+
+        Raises:
+            The InferenceError subclasses of `TritonClassifierClient.classify`; ValueError for bad
+            arguments.
+        """
         return await self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
 
     async def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,
                            priority: int = 0, cancel: asyncio.Event | None = None) -> np.ndarray:
-        """As `TritonClassifierClient.infer_tensor`, with `cancel` as for classify."""
+        """Run the network alone: numpy float32 [N, 3, 224, 224] (normalized RGB) -> float32 [N, 1000]
+        logits; arguments, errors and `cancel` as for `classify` and `TritonClassifierClient.infer_tensor`."""
         if not self.shared_memory:
             return await self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
         async with self._lock:

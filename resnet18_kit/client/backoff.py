@@ -14,9 +14,19 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """initial_backoff_s: cap of the first wait, seconds; multiplier: growth of the cap per retry;
-    max_backoff_s: largest cap, seconds; deadline_s: default time budget of one call (all its tries and
-    waits), seconds, None = no deadline."""
+    """How a client retries a queue-full refusal (HTTP 503 / gRPC UNAVAILABLE "Exceeds maximum queue
+    size"), and the default time budget of its calls. The wait after try n is drawn uniformly from
+    [0, min(max_backoff_s, initial_backoff_s * multiplier**n)] ("full jitter", so clients refused together
+    do not come back together).
+
+    Attributes:
+        initial_backoff_s: cap of the first wait, seconds (default 0.005).
+        multiplier: growth of the cap per retry (default 2).
+        max_backoff_s: the largest cap, seconds (default 0.5).
+        deadline_s: default time budget of one call, all its tries and waits, seconds (default 30);
+            None = no deadline.
+        rng: the random source of the jitter (seed it for repeatable waits).
+    """
 
     initial_backoff_s: float = 0.005
     multiplier: float = 2.0

@@ -49,7 +49,15 @@ WEIGHTS_PARAMETER = "weights_meaningful"
 @dataclass(frozen=True)
 class Prediction:
     """One of the top-k classes of an image, from the ensemble's `probabilities` and `logits` outputs
-    (Triton's classification extension)."""
+    (Triton's classification extension); immutable.
+
+    Attributes:
+        label: the ImageNet class name, from the model's label file (model_repository/resnet18/labels.txt).
+        class_index: 0..999, the row of the label file.
+        probability: the softmax of the logits, 0..1 (the 1000 classes sum to 1).
+        logit: the unnormalized score; NaN in the rare case of a tie at the k-th place that left this
+            class out of the logits' top k.
+    """
 
     label: str          # ImageNet class name, from the model's label file
     class_index: int    # 0..999

@@ -69,15 +69,23 @@ HTTP_NO_ANSWER_YET = "failed to obtain inference response"
 
 
 class TritonClassifierClient(ClientCore):
-    """Blocking client for the `resnet18` ensemble and the ResNet-18 models.
+    """Blocking client for the `resnet18` ensemble and the ResNet-18 models (use it as a context manager).
 
-    url: "host:port" (default 127.0.0.1:8000 for http, :8001 for grpc), or a URL with the protocol's
-        scheme ("http://host:port"); ValueError for anything else (see contract.host_port).
-    protocol: "http" or "grpc".
-    retry: backoff and default deadline (`deadline_s`) of each call.
-    shared_memory: pass `infer_tensor`'s input and output through system shared memory.
-    connection_timeout_s: seconds to wait for a connection (HTTP).
-    Every method raises the typed errors of `client.errors` (InferenceError and subclasses).
+    Args:
+        url: "host:port" of the server (default 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc), or a
+            URL with the protocol's scheme ("http://host:port").
+        protocol: "http" or "grpc" (KServe v2 / Open Inference Protocol).
+        retry: RetryPolicy: the backoff after a queue-full refusal and each call's default deadline
+            (`deadline_s`, seconds; default 30).
+        shared_memory: pass `infer_tensor`'s input and output through system shared memory (same host).
+        connection_timeout_s: seconds to wait for a connection (default 10).
+
+    Raises:
+        ValueError: a url that is not host:port or has another scheme, or another protocol; nothing is
+            sent. Every method raises the typed errors of `client.errors` (InferenceError subclasses:
+            QueueFullError once the deadline ends, DeadlineExceededError, InvalidInputError,
+            ModelNotFoundError, ServerUnavailableError, RequestCancelledError), each with the server's
+            status and message.
     """
 
     def __init__(self, url: str | None = None, protocol: str = "http", **options):
@@ -179,12 +187,15 @@ class TritonClassifierClient(ClientCore):
         return step
 
     def is_server_live(self) -> bool:
+        """True when the server answers its liveness endpoint (KServe v2 /v2/health/live)."""
         return self._run(self._is_server_live())
 
     def is_server_ready(self) -> bool:
+        """True when the server is ready to serve (/v2/health/ready: every model loaded, not stopping)."""
         return self._run(self._is_server_ready())
 
     def is_model_ready(self, model: str) -> bool:
+        """True when `model` (a name of the model repository, e.g. "resnet18") is loaded and ready."""
         return self._run(self._is_model_ready(model))
 
     def server_metadata(self) -> dict:
@@ -222,18 +233,51 @@ class TritonClassifierClient(ClientCore):
     def classify(self, images: Sequence[bytes], top_k: int = 5, model: str = ENSEMBLE_MODEL,
                  deadline_s: float | None = None, priority: int = 0,
                  cancel: threading.Event | None = None) -> list[list[Prediction]]:
-        """Classify encoded images (JPEG, PNG, ...) in one request; len(images) <= the model's
-        max_batch_size (16). Returns, per image, its top_k predictions (1 <= top_k <= 1000, else
-        ValueError), most probable first. deadline_s: time budget of the call in seconds, > 0 (default:
-        the retry policy's); priority: 1 = interactive, served first; 0 = default (module doc); cancel: an
-        event that cancels the request (gRPC only here; RequestCancelledError)."""
+        """Classify encoded images in one request through the ensemble (decode, resize, network, labels).
+
+        Args:
+            images: encoded image files (JPEG, PNG, ... as bytes), one per row; at most the model's
+                max_batch_size (16 for the shipped configs).
+            top_k: predictions per image, 1..1000.
+            model: the ensemble's name (default "resnet18").
+            deadline_s: the call's time budget in seconds, > 0 (default: the retry policy's deadline_s);
+                what is left of it is sent as the request's queue timeout.
+            priority: 1 = served before the default level 2 in the steps that configure priority
+                levels; 0 = the model's default level.
+            cancel: a threading.Event; setting it cancels the request (gRPC only for this client).
+
+        Returns:
+            One list per image, in order: its top_k Prediction(label, class_index, probability 0..1,
+            logit), most probable first.
+
+        Raises:
+            ValueError: top_k out of range, a priority the model does not serve, cancel over HTTP.
+            InvalidInputError: an image the server cannot decode (HTTP 400 / gRPC INVALID_ARGUMENT),
+                more images than max_batch_size.
+            QueueFullError: the queue stayed full until the deadline (HTTP 503 / gRPC UNAVAILABLE).
+            DeadlineExceededError: no answer within deadline_s.
+            RequestCancelledError: `cancel` was set.
+            ServerUnavailableError: nothing that speaks Triton's protocol at the url.
+        """
         return self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
 
     def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,
                      priority: int = 0, cancel: threading.Event | None = None) -> np.ndarray:
-        """FP32 [N, 3, 224, 224] (normalized as the preprocess model does) -> logits FP32 [N, 1000].
-        Raises ValueError for another shape, InvalidInputError for N > max_batch_size; deadline_s,
-        priority and cancel as for classify."""
+        """Run the network alone on a batch of preprocessed images.
+
+        Args:
+            batch: numpy float32 [N, 3, 224, 224], RGB normalized as the preprocess model does
+                (ImageNet mean and std), N <= the model's max_batch_size.
+            model: the network's name (default "resnet18_onnx"; or "resnet18_torchscript").
+            deadline_s, priority, cancel: as for classify.
+
+        Returns:
+            numpy float32 [N, 1000]: the logits, one row per image (ImageNet class order).
+
+        Raises:
+            ValueError: another shape or dtype. InvalidInputError: N > max_batch_size. The other errors
+            as for classify.
+        """
         if not self.shared_memory:
             return self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
         with self._lock:

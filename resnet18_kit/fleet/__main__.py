@@ -149,6 +149,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
               + "".join(f"  {replica_name(i)}: HTTP {c.http_url}, gRPC {c.grpc_url}, metrics {c.metrics_url}\n"
                         for i, c in enumerate(config.replicas))
               + f"  try:    resnet18-kit classify --url {front.http_url} <images>\n"
+                "  perf_analyzer through HAProxy: read its client-side figures only (its server-side statistics "
+                "are one replica's)\n"
                 f"fleet: SIGHUP for a rolling restart; Ctrl-C or SIGTERM to stop", flush=True)
         status = 0
         while not stop.wait(0.5):

@@ -46,7 +46,7 @@ from pathlib import Path
 from resnet18_kit.contract import DEFAULT_VARIANT
 from resnet18_kit.export import ensure_exported, export_needed
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.settings import Settings, shown
+from resnet18_kit.settings import Settings, shipped_variants, shown
 from resnet18_kit.server.config import (DEFAULT_CACHE_BYTES, MAX_CACHE_BYTES, ConfigurationError, ServerConfig,
                                         check_ports_free, free_ports)
 from resnet18_kit.server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, tritonserver_binary
@@ -86,16 +86,6 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/reliability.md 'Deadlines and cancellation'); tritonserver's own gRPC then "
                              "listens on a free port of 127.0.0.1 (default: on; --no-grpc-guard exposes "
                              "tritonserver's gRPC on --grpc-port)")
-
-
-def shipped_variants() -> list[str]:
-    """The config variants of the checkout's (or working folder's) model repository, for --help."""
-    from resnet18_kit.settings import default_folder
-
-    try:
-        return ModelRepository(default_folder("model_repository")).variant_names()
-    except OSError:
-        return [DEFAULT_VARIANT]
 
 
 def add_cache_argument(parser: argparse.ArgumentParser, whose: str = "Triton's") -> None:

@@ -9,7 +9,9 @@ Each figure is written only when its input exists; one log line per figure says 
       variant and protocol, each point labelled with its concurrency; dashed: the variant's in-process
       saturation img/s.
   tensor_throughput_vs_p99.png     --tensor DIR: a `resnet18-kit bench run` results folder whose summary.json has
-      the tensor sweeps ("configs"): infer/s against p99 ms of resnet18_onnx, one line per config.
+      the tensor sweeps ("configs"): infer/s against p99 ms of resnet18_onnx, one line per config. From the
+      same summary: configs.json beside the figures, and the measured tables of the docs rewritten in place
+      ("Choosing a config" in docs/model-repository.md; resnet18_kit/tools/bench/doc_tables.py).
   planner_p99_predicted_vs_measured.png   --validation DIR [DIR ...]: `resnet18-kit plan validate` folders
       (validation.json, with predictions). The model's predicted p99 (ms, row "predicted" "p99_ms":
       Poisson arrivals at the level's rate, steady state) against perf_analyzer's measured p99 (ms,
@@ -45,6 +47,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from resnet18_kit.tools.bench.plots import pipeline_figure, soak_figure, validation_figure, validation_rows  # noqa: E402
+from resnet18_kit.tools.bench.doc_tables import write_tables  # noqa: E402
 from resnet18_kit.tools.bench.report import throughput_vs_p99_figure  # noqa: E402
 from resnet18_kit.tools.load.results import bench_summaries  # noqa: E402
 from resnet18_kit.settings import Settings, checkout  # noqa: E402
@@ -208,6 +211,9 @@ def generate(inputs: dict[str, Path | None], out_dir: Path, results: Path,
         size_bytes = save(fig, target)
         log.info("%s: %s bytes from %s", target, f"{size_bytes:,}", path)
         written[name] = target
+        if name == "tensor":  # the docs' measured tables come from the same sweeps (bench/doc_tables.py)
+            for line in write_tables(path, out_dir.parent.parent, out_dir):
+                log.info("%s", line)
     return written
 
 

@@ -4,7 +4,7 @@ Starts the embedded tritonserver with the `throughput` variant (resnet18_onnx ac
 then, in the same run and interleaved, sends the same FP32 [32, 3, 224, 224] batch (19.3 MB in, 128 kB
 out) with `TritonClassifierClient(shared_memory=False)` and `(shared_memory=True)`, over HTTP and gRPC.
 Prints per call: wall time (ms, mean and p50) and the client process's CPU time (ms), and what shared
-memory changes (stdout). The server's log: <results>/bench-shared-memory-tritonserver.log. Not a test: figures depend on the machine; docs/benchmarks.md quotes a run.
+memory changes (stdout). The server's log: <results>/bench-shared-memory-tritonserver.log. Not a test: figures depend on the machine; docs/records/benchmarks.md quotes a run.
 """
 from __future__ import annotations
 

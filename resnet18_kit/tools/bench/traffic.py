@@ -258,7 +258,7 @@ def cancel_run(config: ServerConfig, photo_paths: list[Path], url: str, requests
 
 
 def summary_lines(record: dict) -> list[str]:
-    """The figures of a `measure` record, one line each, with the targets of docs/usage.md."""
+    """The figures of a `measure` record, one line each, with the targets of docs/records/usage.md."""
     lines = []
     if "priority" in record:
         p = record["priority"]

@@ -302,7 +302,7 @@ def command(model: str, url: str, protocol: str, load: LoadSpec, level: float, o
 #: again as a fixed count of requests (`fallback_request_count`); command.txt records which it used.
 #: A fixed-request-count run that has not exited after HANG_S seconds is taken as hung and started again
 #: once: perf_analyzer 2.51 in --async mode can stay idle and never exit after the server answered every
-#: request (seen at high concurrency; docs/benchmarks.md). HANG_S is far above any level's run here. A run
+#: request (seen at high concurrency; docs/records/benchmarks.md). HANG_S is far above any level's run here. A run
 #: killed for the last time exits HUNG_EXIT (as timeout(1)), its log saying so.
 HANG_S = 120.0
 HUNG_EXIT = 124

@@ -10,7 +10,7 @@
 
 `resnet18-kit plan <subcommand> --help` tells each one's options; the model repository and the results
 folder are the global --model-repository and --results (results go to <results>/planner/ by default).
-docs/capacity.md has the figures these commands printed on the reference machine.
+docs/capacity.md is the guide; docs/records/capacity.md has what these commands printed on the reference machine.
 """
 from __future__ import annotations
 

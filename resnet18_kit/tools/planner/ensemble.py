@@ -333,14 +333,14 @@ def plan_ensemble(target_rps: float, slo: Slo, profile: EnsembleProfile, space: 
 
 #: How far the ensemble's predicted p99 can be trusted, by its load (offered / capacity); same form as
 #: planner.search.P99_TRUST. From the two-stage validation on photos (`resnet18-kit plan validate-ensemble`;
-#: its figures are in docs/capacity.md "The main job"): the prediction ran low at light load, was a rough
+#: its figures are in docs/records/capacity.md): the prediction ran low at light load, was a rough
 #: guide up to 80% of capacity and missed widely above it, while the throughput held throughout.
 ENSEMBLE_P99_TRUST: tuple[tuple[float, bool, str], ...] = (
     (0.5, False, "CAUTION: below 50% of capacity the predicted p99 runs low: expect up to a third more"),
     (0.8, False, "CAUTION: between 50% and 80% of capacity the predicted p99 is a rough guide; measure it "
                  "(resnet18-kit plan validate-ensemble)"),
     (math.inf, False, "NOT TRUSTED: above 80% of capacity the predicted p99 can miss several times over; the "
-                      "throughput holds: plan below 80% (--max-utilization 0.8)"),
+                      "throughput holds: plan for a --qps at most 80% of capacity"),
 )
 
 

@@ -289,11 +289,11 @@ def max_rate(profile: Profile, slo: Slo, space: SearchSpace = SearchSpace(), ste
 
 #: How far the p99 the model predicts can be trusted, by the load per device as a fraction of its capacity
 #: (upper bound of the load, trusted, what the plan prints). The bounds come from the validation against the
-#: real server (`resnet18-kit plan validate`; its hit rates per load are in docs/capacity.md "Validation"):
+#: real server (`resnet18-kit plan validate`; its hit rates per load are in docs/records/capacity.md):
 #: below half the capacity the predicted p99 held, up to 80% it held on about half the levels, above 80%
 #: the measured p99 itself varied many times over between runs while the throughput held.
 P99_TRUST: tuple[tuple[float, bool, str], ...] = (
-    (0.5, True, "p99 validated at this load (docs/capacity.md \"Validation\")"),
+    (0.5, True, "p99 held at loads like this when validated against the real server"),
     (0.8, False, "CAUTION: between 50% and 80% of capacity the predicted p99 is a rough guide (the p99 without "
                  "the slowdowns, below, is often closer); measure it (resnet18-kit plan validate) or plan "
                  "below 50% (--max-utilization 0.5)"),
@@ -304,9 +304,9 @@ P99_TRUST: tuple[tuple[float, bool, str], ...] = (
 
 
 #: What the two predictions of a p99 (with and without the profile's slowdowns under load) tell of the
-#: measured one: it mostly fell within 25% of the range they span (docs/capacity.md "Validation"); the wider
+#: measured one: it mostly fell within 25% of the range they span (docs/records/capacity.md); the wider
 #: the range, the less either end alone can be relied on.
-P99_RANGE_NOTE = "the measured p99 mostly falls in that range (+-25%; docs/capacity.md \"Validation\")"
+P99_RANGE_NOTE = "the measured p99 mostly falls in that range (+-25%; docs/records/capacity.md)"
 
 
 def p99_trust(capacity_used: float, table: tuple[tuple[float, bool, str], ...] = P99_TRUST) -> tuple[bool, str]:

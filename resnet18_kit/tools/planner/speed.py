@@ -1,6 +1,6 @@
 """Execution speed under open-loop load: how a device's execution time moves with the load it serves.
 
-Why: the validation (docs/capacity.md) found that on this machine a two-thread ONNX Runtime instance
+Why: the validation (docs/records/capacity.md) found that on this machine a two-thread ONNX Runtime instance
 runs its batches 15-17% slower on average at 30% load than in the closed-loop profile (where it is busy
 all the time), and in stretches of several seconds up to 1.8x slower (executions' durations from
 Triton's trace, 2 s windows, lag-1 autocorrelation 0.4-0.7), while at 95% load it runs as profiled.

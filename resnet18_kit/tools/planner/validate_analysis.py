@@ -8,7 +8,7 @@ trace on); this module reads what they left and predicts each level with the mod
   * predicted (`add_predictions`): `simulate` with Poisson arrivals at the level's rate (20,000
     requests), the config's batcher, the profile; and again on the exact send times perf_analyzer used
     (replayed trace);
-  * `format_table`: the Markdown tables of docs/capacity.md (measured vs predicted, what the trace shows).
+  * `format_table`: the Markdown tables of docs/records/capacity.md (measured vs predicted, what the trace shows).
 It starts no server: `resnet18-kit plan validate --predict-only` runs it on a saved
 validation.json.
 """

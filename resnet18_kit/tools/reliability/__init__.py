@@ -4,7 +4,7 @@ tritonserver, with every request accounted for (docs/reliability.md).
 Each scenario sends requests, classifies every outcome (load.outcomes: answered, refused, timed out,
 invalid, wrong, error, lost) and compares what the clients saw with what the server counted. The tests
 (tests/test_reliability*.py) run the scenario functions with small numbers;
-`resnet18-kit reliability run` runs them bigger and prints the table of docs/reliability.md.
+`resnet18-kit reliability run` runs them bigger and prints the table of docs/records/reliability.md.
 
 Scenarios, one module each (the `--scenario` name in brackets):
   burst            a burst far above capacity, and the server's counts of it       [burst]

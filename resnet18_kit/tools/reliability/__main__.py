@@ -6,7 +6,7 @@ UNAVAILABLE, timed out in the queue, refused as bad input, wrong answer, other e
 outcome at all within a generous client-side bound) and compares what the clients saw with what the
 server counted (metrics endpoint and statistics extension). The tests (tests/test_reliability*.py) run
 the same functions with small numbers; `run` runs them bigger and prints the table of
-docs/reliability.md (also written as JSON under <results>/reliability/<time>/):
+docs/records/reliability.md (also written as JSON under <results>/reliability/<time>/):
 
     resnet18-kit reliability run                                   # every scenario, about 3 minutes
     resnet18-kit reliability run --scenario burst --burst-requests 600
@@ -172,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="reliability_command", required=True, metavar="<run|soak>")
     run_parser = commands.add_parser(
         "run", help="the scenarios (default: all but stops), their table and JSON record",
-        description="The scenarios against the real server; prints the table of docs/reliability.md and writes\n"
+        description="The scenarios against the real server; prints the table of docs/records/reliability.md and writes\n"
                     "reliability.json and reliability.md under --out/<time>/.",
         allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     run_parser.add_argument("--scenario", nargs="+", choices=SCENARIOS, metavar="NAME",

@@ -1,4 +1,4 @@
-"""Deadlines and cancellation under overload: the tables of docs/reliability.md "Deadlines and cancellation".
+"""Deadlines and cancellation under overload: the tables of docs/records/reliability.md (deadlines).
 
 Two measurements against `resnet18-kit serve` (default config), each on a fresh serve:
   * `storm_runs`: a raw gRPC client with short deadlines (reliability.deadline_storm), `rounds` rounds per

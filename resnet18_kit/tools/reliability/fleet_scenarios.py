@@ -32,7 +32,7 @@ from resnet18_kit.server.supervisor import SupervisorPolicy
 
 IDENTITY_MODEL = "identity"
 IDENTITY_REPOSITORY = Path(__file__).resolve().parent.parent / "bench" / "model_repository"
-#: The table's columns (docs/deployment.md "A fleet on one machine").
+#: The table's columns (docs/records/deployment.md, the fleet).
 FLEET_COLUMNS = ("case", "replicas", "protocol", "sent", "answered", "refused", "failed", "lost",
                  "share per replica", "also")
 

@@ -8,7 +8,7 @@ outcome at all), the serve command's exit status and time to exit, its first lin
 refused to start, the Python-backend regions in /dev/shm before and after, and the processes it left
 (tritonserver and stubs still alive afterwards: must be none).
 
-Cases (`CASES`, the `--scenario lifecycle` rows of docs/reliability.md "Faults"):
+Cases (`CASES`, the `--scenario lifecycle` rows of docs/records/reliability.md):
   sigterm            one SIGTERM under load
   sigterm-x3         three SIGTERMs within 100 ms (what `kill -TERM -- -<pgid>` on `make serve` and
                      Kubernetes can deliver)

@@ -7,7 +7,7 @@ stub is sampled every 5 s.
 Reports requests sent / answered / failed / lost (lost = no outcome within 60 s), latency percentiles
 per minute, and memory at start, end and peak per process; passes (exit 0) when no request failed and
 the total resident memory grew less than `--memory-bound-mib` from start to end. Not part of the
-tests: it takes minutes. Figures in docs/reliability.md.
+tests: it takes minutes. Figures in docs/records/reliability.md.
 
 Progress: a bar over the seconds of the capacity measurement, then over the seconds of the soak, on
 stderr (drawn on a terminal only), and a log line per minute with that minute's answers, failures,

@@ -1,4 +1,4 @@
-"""The table `resnet18-kit reliability run` prints (docs/reliability.md): one row per case, the
+"""The table `resnet18-kit reliability run` prints (docs/records/reliability.md): one row per case, the
 columns below; each scenario module makes its own rows with `table_row`."""
 from __future__ import annotations
 
