@@ -26,7 +26,7 @@ Writes <results>/bench-<UTC time>[-quick]/ (--out to choose the folder): perf_an
 machine.json, summary.json, report.md and PNG plots (three for the tensor sweeps, two end to end), and
 ends on stdout with one line per config and per main-job photo set: served / in-process, e.g.
 "int8 tensors: 0.93 of in-process (...)".
---quick takes about 7 minutes on 2 cores (measured: 441 s on the 2-core reference machine).
+--quick takes about 7 minutes on 2 cores.
 
 Progress: a log line on stderr per perf_analyzer run with the count done, the elapsed time and the ETA
 (INFO; so `resnet18-kit bench run --quick > log 2>&1` shows it), and a bar on a terminal; the report's
@@ -190,7 +190,7 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
         record["inprocess_bar_img_per_s"] = capacity = (capacity + after) / 2
         rates = tuple(round(f * capacity, 1) for f in args.rate_fractions) if name in args.rate_configs else ()
         # --async: with blocking calls perf_analyzer's rate mode can keep only as many requests in flight as
-        # it has threads, and then sends below the asked rate once latency grows (seen: 15 of 39 req/s).
+        # it has threads, and then sends below the asked rate once latency grows.
         rate_load = LoadSpec("request_rate", rates, shared_memory=args.shared_memory, async_mode=True,
                              output_shm_bytes=RESNET18_LOGITS_BYTES, measurement_ms=args.measurement_ms,
                              fallback_request_count=fallback,

@@ -16,8 +16,7 @@ The model:
     the stages always overlap; at a lower load they overlap less, and a factor f counts as
     1 + (f - 1) x load (`EnsembleProfile.stage_profiles`);
   * one more factor per pair, shared by both stages (`calibrated`): the closed-loop run's throughput fell
-    short of what the two stage factors alone allow (measured here: 34 images/s where they give 40-42 with
-    3 preprocess instances; 22 where they give 37 with one, whose stages take turns); what the ensemble
+    short of what the two stage factors alone allow (docs/records/capacity.md has the runs); what the ensemble
     spends outside both stages' compute (tensors handed between stub processes, the front end decoding
     photo requests) runs on the same cores, so both stages' times are stretched until the model's
     capacity is the measured one. Measured at full load only, so the levels a validation predicts are
