@@ -23,6 +23,20 @@ from tqdm import tqdm
 PACKAGES = ("resnet18_kit",)
 
 
+#: One whole line at a time on stderr (stderr_line).
+_STDERR_LOCK = threading.RLock()
+
+
+def stderr_line(line: str) -> None:
+    """Write `line` and its newline to stderr in one write, under a lock, and flush. serve's supervisor,
+    its log follower and its signal notes write from different threads; print()'s two writes (text, then
+    newline) let their lines run into each other. Re-entrant, so a signal note written while the main
+    thread holds the lock does not deadlock."""
+    with _STDERR_LOCK:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
 def log_status(message: str, warning: bool = False, step: bool = False) -> None:
     """The status callback of measuring code run without a Progress: `message` as a log line, WARNING
     when `warning`, else INFO (`step`, one unit of work done, has no total to count against)."""

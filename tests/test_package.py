@@ -216,3 +216,24 @@ def test_the_layout_page_names_every_folder_of_the_package():
     missing = [folder for folder in folders if f"  {folder}/" not in layout]
     missing += [f"tools/{tool}" for tool in tools if f"    {tool}/ " not in layout]
     assert not missing, f"docs/layout.md has no line for {missing}"
+
+
+def test_lines_written_from_several_threads_stay_whole(capfd):
+    """serve's supervisor, its log follower and its signal notes write lines from different threads; a line
+    must never run into another (a test once read "...Metrics Service at ...serve: gave-up: ...")."""
+    import threading
+
+    from resnet18_kit.progress import stderr_line
+
+    def write(tag: str) -> None:
+        for i in range(2000):
+            stderr_line(f"{tag} line {i} " + "x" * 40)
+    threads = [threading.Thread(target=write, args=(f"t{n}",)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 8000
+    assert all(re.fullmatch(r"t\d line \d+ x{40}", line) for line in lines), \
+        next(line for line in lines if not re.fullmatch(r"t\d line \d+ x{40}", line))

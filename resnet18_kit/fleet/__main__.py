@@ -37,6 +37,7 @@ import sys
 import threading
 from pathlib import Path
 
+from resnet18_kit.progress import stderr_line
 from resnet18_kit.settings import Settings, shown
 
 #: The folder under the results folder for the fleet's files.
@@ -178,4 +179,4 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def say(line: str) -> None:
-    print(f"fleet: {line}", file=sys.stderr, flush=True)
+    stderr_line(f"fleet: {line}")

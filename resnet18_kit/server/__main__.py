@@ -45,6 +45,7 @@ from pathlib import Path
 
 from resnet18_kit.contract import DEFAULT_VARIANT
 from resnet18_kit.export import ensure_exported, export_needed
+from resnet18_kit.progress import stderr_line
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shipped_variants, shown
 from resnet18_kit.server.config import (DEFAULT_CACHE_BYTES, MAX_CACHE_BYTES, ConfigurationError, ServerConfig,
@@ -265,19 +266,18 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
 
     def on_signal(signum, effect: str) -> None:  # called from the main loop (SignalStop.poll), not a handler
         if effect == "stop":
-            print(f"serve: {signum.name}: stopping; requests already accepted finish first (up to "
-                  f"{config.exit_timeout_s} s; Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            stderr_line(f"serve: {signum.name}: stopping; requests already accepted finish first (up to "
+                        f"{config.exit_timeout_s} s; Ctrl-C again to stop at once)")
         elif effect == "hurry":
-            print(f"serve: {signum.name} again: not waiting for in-flight requests; killing tritonserver",
-                  file=sys.stderr, flush=True)
+            stderr_line(f"serve: {signum.name} again: not waiting for in-flight requests; killing tritonserver")
         else:
-            print(f"serve: {signum.name} again: already stopping", file=sys.stderr, flush=True)
+            stderr_line(f"serve: {signum.name} again: already stopping")
 
     announced = threading.Event()
 
     def on_event(event: SupervisorEvent) -> None:
         detail = event.detail.split(LOG_TAIL_MARK)[0]  # those lines were shown as they came
-        print(f"serve: {event.kind}: {detail}", file=sys.stderr, flush=True)
+        stderr_line(f"serve: {event.kind}: {detail}")
         if event.kind == "ready" and not announced.is_set():
             announced.set()
             print(f"\nserve: ready\n"
@@ -291,13 +291,12 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     server_log = (args.server_log or settings.results_dir(SERVER_LOG_NAME)).resolve()
     server_log.parent.mkdir(parents=True, exist_ok=True)
     server_log.write_bytes(b"")
-    print(f"serve: tritonserver log: {shown(server_log)}", file=sys.stderr, flush=True)
+    stderr_line(f"serve: tritonserver log: {shown(server_log)}")
     supervisor = Supervisor(config, SupervisorPolicy(max_restarts=args.max_restarts), log_path=server_log,
                             on_event=on_event)
     with SignalStop(on_signal) as stop, \
-            LogFollower(server_log, lambda line: print(line, file=sys.stderr, flush=True),
-                        CudaNoticeFilter(shown(server_log), prefix="serve: ")):
+            LogFollower(server_log, stderr_line, CudaNoticeFilter(shown(server_log), prefix="serve: ")):
         status = supervisor.run(stop)
-    print(f"serve: exiting with status {status}", file=sys.stderr, flush=True)
+    stderr_line(f"serve: exiting with status {status}")
     return status
 
