@@ -220,7 +220,8 @@ def test_the_layout_page_names_every_folder_of_the_package():
 
 def test_lines_written_from_several_threads_stay_whole(capfd):
     """serve's supervisor, its log follower and its signal notes write lines from different threads; a line
-    must never run into another (a test once read "...Metrics Service at ...serve: gave-up: ...")."""
+    must never run into another (print()'s separate writes of text and newline let them: a tritonserver
+    log line would then swallow "serve: gave-up: ...", the line that says why serve exits)."""
     import threading
 
     from resnet18_kit.progress import stderr_line
