@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from resnet18_kit.tools.bench.pipeline import served_runs
+from resnet18_kit.tools.bench.report import saturation_row
 
 #: The pages whose tables this module writes: marker name -> page (relative to the checkout); the renderer
 #: of each marker is in RENDERERS (below).
@@ -39,7 +40,7 @@ def config_rows(summary: dict) -> list[dict]:
     rows = []
     for config in summary["configs"]:
         levels = sorted(config["concurrency"], key=lambda row: row["level"])
-        low, best = levels[0], max(levels, key=lambda row: row["throughput"])
+        low, best = levels[0], saturation_row(config)
         bar = config.get("inprocess_bar_img_per_s")
         rows.append({
             "variant": config["name"],
@@ -158,12 +159,14 @@ def marked_block(text: str, marker: str) -> re.Match | None:
         f"<!-- /{marker} -->" in text else re.search(rf"<!-- {marker} -->\n?()", text)
 
 
-def fill(text: str, marker: str, table: str) -> str:
-    """`text` with the block of `marker` replaced by `table`; ValueError when the page has no marker."""
+def fill(text: str, marker: str, table) -> str:
+    """`text` with the block of `marker` replaced by table(the block now there); ValueError when the page has
+    no marker."""
     match = marked_block(text, marker)
     if match is None:
         raise ValueError(f"no <!-- {marker} --> marker")
-    return text[:match.start()] + f"<!-- {marker} -->\n{table}\n<!-- /{marker} -->" + text[match.end():]
+    return text[:match.start()] + f"<!-- {marker} -->\n{table(match.group(1))}\n<!-- /{marker} -->" + \
+        text[match.end():]
 
 
 def write_tables(summary_path: Path, checkout: Path, figures_dir: Path) -> list[str]:
@@ -176,8 +179,6 @@ def write_tables(summary_path: Path, checkout: Path, figures_dir: Path) -> list[
     for marker, page in TABLE_PAGES.items():
         path = checkout / page
         if path.exists():
-            text = path.read_text()
-            block = marked_block(text, marker)
-            path.write_text(fill(text, marker, RENDERERS[marker](data, block.group(1) if block else "")))
+            path.write_text(fill(path.read_text(), marker, lambda block, render=RENDERERS[marker]: render(data, block)))
             said.append(f"{page}: table '{marker}' rewritten")
     return said
