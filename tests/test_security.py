@@ -7,6 +7,7 @@ import re
 import secrets
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -29,10 +30,16 @@ def parse(*argv: str):
 def test_default_bind_is_loopback_only(settings):
     config = config_from_args(settings, parse(), environ={})
     assert config.host == ServerConfig().host == "127.0.0.1" and config.loopback_only
-    command = server_command(config)
+    command = server_command(config, control_key="k" * 32)
     for flag in ("--http-address", "--grpc-address", "--metrics-address"):
         assert f"{flag}=127.0.0.1" in command
-    assert not any("restricted" in arg for arg in command)
+    # Model control "none": only the model-control API is locked, by the key of the process that started
+    # the server (it unloads the models before a stop); every other API is open on loopback.
+    assert [arg for arg in command if "restricted" in arg] == [
+        f"--http-restricted-api=model-repository:admin-key={'k' * 32}",
+        f"--grpc-restricted-protocol=model-repository:admin-key={'k' * 32}"]
+    with pytest.raises(ValueError, match="control_key"):
+        server_command(config)
 
 
 def test_wider_bind_without_an_admin_key_is_refused(settings):
@@ -49,16 +56,24 @@ def test_wider_bind_with_a_key_warns_and_restricts_the_admin_apis(capsys, settin
     config = config_from_args(settings, parse("--host", "0.0.0.0"), environ={ADMIN_KEY_ENV: key})
     assert "WARNING: listening on 0.0.0.0" in capsys.readouterr().err
     assert config.admin_key == key and key not in repr(config)  # not printed with the config
-    restriction = f"{','.join(RESTRICTED_APIS)}:admin-key={key}"
-    command = server_command(config)
+    command = server_command(config, control_key="k" * 32)
+    # Model control "none": the user's key opens the admin APIs but not model control.
+    restriction = f"{','.join(api for api in RESTRICTED_APIS if api != 'model-repository')}:admin-key={key}"
     assert f"--http-restricted-api={restriction}" in command
     assert f"--grpc-restricted-protocol={restriction}" in command
+    assert f"--http-restricted-api=model-repository:admin-key={'k' * 32}" in command
+    command = server_command(replace(config, model_control="explicit"))
+    restriction = f"{','.join(RESTRICTED_APIS)}:admin-key={key}"
+    assert [arg for arg in command if "restricted" in arg] == [
+        f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
 
 
-def test_restricted_apis_refuse_requests_without_the_key_and_serve_those_with_it(tmp_path):
+@pytest.mark.parametrize("model_control", ["explicit", "none"])
+def test_restricted_apis_refuse_requests_without_the_key_and_serve_those_with_it(tmp_path, model_control):
+    """With model control "none" the user's key opens every restricted API but model control."""
     key = secrets.token_hex(16)
     config = config_on_free_ports(model_repository=repository_with([ECHO_MODEL], tmp_path / "repository"),
-                                  admin_key=key, exit_timeout_s=5)
+                                  admin_key=key, exit_timeout_s=5, model_control=model_control)
     with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log"):
         rows = restricted_api_checks(config)
     for row in rows:
@@ -66,7 +81,7 @@ def test_restricted_apis_refuse_requests_without_the_key_and_serve_those_with_it
     for row in rows:
         if "open" in row["api"]:
             assert row["outcome"] == "OK", row
-        elif row["key"]:
+        elif row["key"] and (model_control == "explicit" or not row["api"].startswith("model-repository")):
             assert row["outcome"] == "OK", row
         elif row["protocol"] == "http":
             assert row["outcome"].startswith("403"), row

@@ -19,6 +19,10 @@ from resnet18_kit.client.backoff import Deadline
 QUEUE_FULL_MESSAGE = "Exceeds maximum queue size"
 #: Triton's message when a request's `timeout` expired while it waited in the queue.
 QUEUE_TIMEOUT_MESSAGE = "Request timeout expired"
+#: Triton's message (HTTP 404 / gRPC NOT_FOUND) for a model of its repository that is not loaded: a kit
+#: server that is stopping unloads every model first (server.admission), so it refuses new requests this
+#: way while it answers those it holds. Not run, so safe to send again, to another replica.
+UNLOADED_MESSAGE = "has no available versions"
 
 _INVALID = {"400", "StatusCode.INVALID_ARGUMENT"}
 _UNAVAILABLE = {"503", "StatusCode.UNAVAILABLE"}
@@ -64,7 +68,8 @@ class RequestCancelledError(InferenceError):
 
 
 class ServerUnavailableError(InferenceError):
-    """The server could not be reached, or answered 503 / UNAVAILABLE for another reason."""
+    """The server could not be reached, answered 503 / UNAVAILABLE for another reason, or refused with
+    404 / NOT_FOUND "has no available versions" because it is stopping (the model is unloaded)."""
 
 
 class NotTritonError(ServerUnavailableError):
@@ -81,6 +86,8 @@ def from_triton(exc: InferenceServerException) -> InferenceError:
         return RequestCancelledError(message, status)
     if status in _DEADLINE or QUEUE_TIMEOUT_MESSAGE in message:
         return DeadlineExceededError(message, status)
+    if UNLOADED_MESSAGE in message:
+        return ServerUnavailableError(message, status)
     if status in _NOT_FOUND or "unknown model" in message or "is not found" in message:
         return ModelNotFoundError(message, status)
     if status in _INVALID:

@@ -5,12 +5,13 @@ one line naming it and its holder, exit 2), starts tritonserver, waits until eve
 server it started, prints where it listens, then serves until Ctrl-C or SIGTERM.
 
 Stopping (Triton 2.51's --exit-timeout-secs, given by --exit-timeout-s; docs/reliability.md "Stopping"):
-  1. the first SIGTERM or SIGINT sends SIGTERM to tritonserver. It stops accepting new HTTP connections
-     at once, but requests on HTTP connections already open (keep-alive) and all gRPC requests (through
-     the gRPC guard, which forwards until tritonserver has exited) are still accepted and answered until
-     every HTTP connection has closed or the exit timeout has passed;
-  2. then it refuses new requests (gRPC UNAVAILABLE / NOT_FOUND while models unload), lets the requests
-     it holds finish within what is left of the exit timeout, unloads the models and exits;
+  1. the first SIGTERM or SIGINT unloads every model (ensembles first) through the model-control API,
+     which tritonserver always runs (with --model-control none it is locked by a key only serve holds):
+     new requests are refused at once (HTTP 404 / gRPC NOT_FOUND "has no available versions": not run),
+     the requests the models hold are answered, for up to the exit timeout;
+  2. then tritonserver gets SIGTERM: it refuses new HTTP connections and exits once the open ones have
+     closed or the exit timeout has passed, holding nothing (Triton 2.51 alone would serve open keep-alive
+     connections until then and abandon what it held: server.admission);
   3. serve removes the stubs' shared memory and exits 0.
 More SIGTERMs change nothing (make and Kubernetes may send several). A second Ctrl-C (SIGINT) cuts the
 drain short: tritonserver and its stubs are killed, in-flight requests fail, serve exits 1.
@@ -49,7 +50,7 @@ from resnet18_kit.progress import stderr_line
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shipped_variants, shown
 from resnet18_kit.server.config import (DEFAULT_CACHE_BYTES, MAX_CACHE_BYTES, ConfigurationError, ServerConfig,
-                                        check_ports_free, free_ports)
+                                        check_ports_free, free_port_besides)
 from resnet18_kit.server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, tritonserver_binary
 from resnet18_kit.server.model_control import MODEL_CONTROL_MODES
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
@@ -146,7 +147,8 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
                           log_verbose=args.log_verbose, admin_key=admin_key,
                           response_cache_bytes=args.response_cache_bytes,
                           model_control=getattr(args, "model_control", "none"),
-                          triton_grpc_port=free_ports(1)[0] if args.grpc_guard else None)
+                          triton_grpc_port=(free_port_besides(args.http_port, args.grpc_port, args.metrics_port)
+                                            if args.grpc_guard else None))
     if config.model_control != "none" and admin_key is None:
         raise InsecureBindError(
             f"serve: --model-control {config.model_control} needs an admin key, or anyone who can reach the server "

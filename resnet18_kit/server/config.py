@@ -113,6 +113,15 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def free_port_besides(*taken: int) -> int:
+    """A TCP port free on 127.0.0.1 right now that is none of `taken` (ports chosen but not yet bound,
+    which the kernel may hand out again)."""
+    while True:
+        port = free_ports(1)[0]
+        if port not in taken:
+            return port
+
+
 def config_on_free_ports(**options) -> ServerConfig:
     """A ServerConfig with HTTP, gRPC and metrics on free ports (tests, benchmarks); other fields as given."""
     http_port, grpc_port, metrics_port = free_ports(3)

@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -96,9 +97,16 @@ def server_environment() -> dict[str, str]:
     return env
 
 
-def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PREFIX) -> list[str]:
+def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PREFIX,
+                   control_key: str | None = None) -> list[str]:
     """The tritonserver command line for `config` (no shell quoting needed: a list of arguments);
-    `shm_prefix`: the name prefix of its stubs' shared-memory regions in /dev/shm."""
+    `shm_prefix`: the name prefix of its stubs' shared-memory regions in /dev/shm.
+
+    Model control is always Triton's explicit mode, every model loaded at start, so that a stop can
+    unload them first (server.admission). With config.model_control "explicit" the model-control API is
+    the user's, behind config.admin_key with the other RESTRICTED_APIS; with "none" it is locked by
+    `control_key` (required then: ValueError without it), which only the process that started the server
+    holds, and the other restricted APIs keep config.admin_key when one is set."""
     if config.model_repository is None:
         raise ValueError("ServerConfig.model_repository is required to start a server")
     cmd = [
@@ -124,14 +132,21 @@ def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PR
         # Triton's local cache (libtritoncache_local.so, shipped in the wheel): LRU, held in this process.
         cmd += [f"--cache-directory={_pytriton_dir() / 'tritonserver' / 'caches'}",
                 f"--cache-config=local,size={config.response_cache_bytes}"]
-    if config.model_control == "explicit":  # every model of the repository at start, then swaps by API
-        cmd += ["--model-control-mode=explicit", "--load-model=*"]
+    cmd += ["--model-control-mode=explicit", "--load-model=*"]  # every model at start; unloaded before a stop
     if config.model_config_name:
         cmd.append(f"--model-config-name={config.model_config_name}")
+    # Triton takes keys only on its command line, so local users can read them in `ps`; the restriction
+    # is against callers from the network, not other accounts on this machine.
+    restrictions = {}
+    if config.model_control != "explicit":
+        if not control_key:
+            raise ValueError("server_command: model control 'none' needs a control_key to lock the model-control API")
+        restrictions[control_key] = ["model-repository"]
     if config.admin_key:
-        # Triton takes the key only on its command line, so local users can read it in `ps`; the
-        # restriction is against callers from the network, not other accounts on this machine.
-        restriction = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={config.admin_key}"
+        restrictions.setdefault(config.admin_key, []).extend(
+            api for api in RESTRICTED_APIS if api not in restrictions.get(control_key, []))
+    for key, apis in restrictions.items():
+        restriction = f"{','.join(apis)}:{ADMIN_HEADER}={key}"
         cmd += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
     return cmd + list(config.extra_args)
 
@@ -154,11 +169,16 @@ class EmbeddedTritonServer:
         self.log_path = log_path
         self.die_with_parent = die_with_parent
         self.shm_prefix = f"{PYTHON_BACKEND_SHM_PREFIX}{os.getpid()}x{next(_starts)}_"
+        #: The key of the model-control API (server_command): the user's admin key with model control
+        #: "explicit", else one made here that nobody else holds; stop() unloads the models with it.
+        self.control_key = config.admin_key if config.model_control == "explicit" else secrets.token_hex(16)
         self.process: subprocess.Popen | None = None
         self.started_at: float | None = None
         #: The gRPC guard in front of tritonserver (server.grpc_guard), when config.triton_grpc_port is set:
         #: listening before the server is ready, stopped after it.
         self.guard = None
+        #: Set by stop(): True when every model was unloaded before SIGTERM (nothing was left in flight).
+        self.closed_first: bool | None = None
 
     def start(self, ready_timeout_s: float = 300.0, cancelled: Callable[[], bool] | None = None) -> float:
         """Check the ports, start the server and block until it is ready; return seconds from start to
@@ -174,7 +194,7 @@ class EmbeddedTritonServer:
             Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         output = open(self.log_path, "ab") if self.log_path else None
         self.started_at = time.monotonic()
-        command = server_command(self.config, self.shm_prefix)
+        command = server_command(self.config, self.shm_prefix, self.control_key)
         if self.config.nice:
             command = ["nice", "-n", str(self.config.nice), *command]  # exec'd: the same pid, its threads inherit
         if self.die_with_parent and shutil.which("setpriv"):
@@ -268,20 +288,29 @@ class EmbeddedTritonServer:
             memory[name if name not in memory else f"{name} (pid {pid})"] = rss_bytes(pid)
         return {name: rss for name, rss in memory.items() if rss is not None}
 
-    def stop(self, drain_s: float | None = None, hurry: Callable[[], bool] | None = None) -> int | None:
-        """SIGTERM, wait for in-flight requests, then SIGKILL the process group (stubs included) and
-        remove this server's shared-memory regions left in /dev/shm.
+    def stop(self, drain_s: float | None = None, hurry: Callable[[], bool] | None = None,
+             close_first: bool = True) -> int | None:
+        """Stop admitting requests (close_first), SIGTERM, wait for in-flight requests, then SIGKILL the
+        process group (stubs included) and remove this server's shared-memory regions left in /dev/shm.
 
-        drain_s: how long to wait after SIGTERM before SIGKILL; default exit_timeout_s + 10 s (the
-        server's own exit timeout plus a margin). A gRPC guard in front is stopped first: it refuses new
-        calls and gives those it holds up to min(drain_s, exit_timeout_s) to be answered. hurry: polled every 0.1 s while waiting; True cuts
-        the wait short (SIGKILL now, in-flight requests fail).
+        close_first: when drain_s > 0, first unload every model (server.admission.stop_admitting: new
+        requests refused, those held answered), for up to exit_timeout_s, so tritonserver holds nothing
+        when its exit timeout ends (Triton 2.51 abandons what it holds then). False skips it (a restart
+        after a fault, a wedged server). drain_s: how long to wait after SIGTERM before SIGKILL; default
+        exit_timeout_s + 10 s (the server's own exit timeout plus a margin). A gRPC guard in front
+        forwards until tritonserver has exited, then stops. hurry: polled every 0.1 s while waiting; True
+        cuts the wait short (SIGKILL now, in-flight requests fail).
         Returns the server's exit status (None if it was never started; negative: killed by that signal).
         """
         if self.process is None:
             return None
         drain_s = self.config.exit_timeout_s + 10 if drain_s is None else drain_s
         if self.process.poll() is None:
+            if close_first and drain_s > 0 and not (hurry is not None and hurry()):
+                from resnet18_kit.server.admission import stop_admitting
+
+                self.closed_first = stop_admitting(self.config.http_url, self.control_key,
+                                                   min(drain_s, self.config.exit_timeout_s), hurry)
             self.process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + drain_s
             while self.process.poll() is None and time.monotonic() < deadline:

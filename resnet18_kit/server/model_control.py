@@ -223,12 +223,14 @@ class ModelControl:
 
 
 def refusal(what: str, url: str, status: str | None, message: str) -> str:
-    """One line for a refused model-control call: a missing or wrong admin key (403), a server without
-    model control (explicit mode), or Triton's own first line."""
+    """One line for a refused model-control call: a missing or wrong admin key (403; also what a kit
+    server started with model control "none" answers, its model-control API being locked by a key of its
+    own: server.embedded.server_command), a server without model control, or Triton's own first line."""
     first = message.strip().splitlines()[0] if message.strip() else "no reason given"
     if "restricted" in message or str(status) in ("403", "StatusCode.PERMISSION_DENIED"):
         return (f"{url} refused to {what}: the admin key is missing or wrong (set $TRITON_ADMIN_KEY to the key "
-                f"the server was started with)")
+                f"the server was started with), or the server runs without model control (start it with "
+                f"`--model-control explicit`)")
     if "failed to connect" in message or "Connection refused" in message:
         return f"no server answers gRPC at {url}: {first}"
     if "explicit model load / unload is not allowed" in message or "not allowed" in first and "load" in first:

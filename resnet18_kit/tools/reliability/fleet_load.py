@@ -73,9 +73,10 @@ class Tally:
 
 
 def try_kind(exc: Exception, retry_dead_stub: bool) -> str:
-    """What a failed try got: "refused", "unavailable" (gateway or connection: not executed), "dead-stub"
+    """What a failed try got: "refused", "unavailable" (gateway, connection or a stopping server's unloaded
+    model: not executed), "dead-stub"
     (when retried) or "error"."""
-    from resnet18_kit.client.errors import QueueFullError, from_triton
+    from resnet18_kit.client.errors import UNLOADED_MESSAGE, QueueFullError, from_triton
     from tritonclient.utils import InferenceServerException
 
     if isinstance(exc, InferenceServerException):
@@ -85,7 +86,8 @@ def try_kind(exc: Exception, retry_dead_stub: bool) -> str:
         status, message = str(error.status or ""), error.message or ""
         if retry_dead_stub and "is not healthy" in message:
             return "dead-stub"
-        if status in GATEWAY_STATUSES or status == "StatusCode.UNAVAILABLE" or "onnect" in message:
+        if (status in GATEWAY_STATUSES or status == "StatusCode.UNAVAILABLE" or "onnect" in message
+                or UNLOADED_MESSAGE in message):  # a server that is stopping: not run
             return "unavailable"
         return "error"
     if isinstance(exc, (OSError, ConnectionError, TimeoutError)) or "onnect" in str(exc):

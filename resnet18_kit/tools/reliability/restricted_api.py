@@ -55,10 +55,11 @@ def restricted_api_checks(config: ServerConfig) -> list[dict]:
 
 
 def checks_with_a_new_key(out_dir: Path) -> list[dict]:
-    """The command's run: a server of reliability_echo alone with a fresh random admin key (log and
-    repository in `out_dir`); restricted_api_checks' rows."""
+    """The command's run: a server of reliability_echo alone with a fresh random admin key and model
+    control on, so the key opens every restricted API (log and repository in `out_dir`);
+    restricted_api_checks' rows."""
     repository = repository_with([ECHO_MODEL], Path(tempfile.mkdtemp(dir=out_dir)) / "repository")
-    config = config_on_free_ports(model_repository=repository, admin_key=secrets.token_hex(16))
+    config = config_on_free_ports(model_repository=repository, admin_key=secrets.token_hex(16), model_control="explicit")
     with EmbeddedTritonServer(config, log_path=out_dir / "tritonserver-security.log"):
         return restricted_api_checks(config)
 
