@@ -130,7 +130,7 @@ def test_the_fleet_profile_swaps_replica_by_replica_both_ways_with_nothing_faile
                   + "; ".join(f"{p}: {counts(t)}" for p, t in zip(("http", "grpc"), tallies)), flush=True)
         for tally in runs["swap each replica (exec)"][0]:
             assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), tally.errors
-        for tally in runs["re-create each replica"][0]:
-            assert tally.lost == 0, tally.errors
+        for tally in runs["re-create each replica"][0]:  # --no-refuse-first: HAProxy takes a stopping replica out
+            assert (tally.failed, tally.lost) == (0, 0), tally.errors
     finally:
         project.down()

@@ -88,6 +88,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/reliability.md 'Deadlines and cancellation'); tritonserver's own gRPC then "
                              "listens on a free port of 127.0.0.1 (default: on; --no-grpc-guard exposes "
                              "tritonserver's gRPC on --grpc-port)")
+    parser.add_argument("--refuse-first", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a stop, unload the models before tritonserver gets SIGTERM: new requests are "
+                             "refused at once (404 / NOT_FOUND 'has no available versions'), those held are "
+                             "answered, none is abandoned (default: on). --no-refuse-first behind a load "
+                             "balancer whose health check takes the server out: it serves on while the "
+                             "balancer moves traffic away (Triton 2.51 then abandons what it holds if clients "
+                             "keep sending on open HTTP connections past --exit-timeout-s)")
 
 
 def add_cache_argument(parser: argparse.ArgumentParser, whose: str = "Triton's") -> None:
@@ -147,6 +154,7 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
                           log_verbose=args.log_verbose, admin_key=admin_key,
                           response_cache_bytes=args.response_cache_bytes,
                           model_control=getattr(args, "model_control", "none"),
+                          refuse_first=getattr(args, "refuse_first", True),
                           triton_grpc_port=(free_port_besides(args.http_port, args.grpc_port, args.metrics_port)
                                             if args.grpc_guard else None))
     if config.model_control != "none" and admin_key is None:

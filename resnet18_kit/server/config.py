@@ -63,6 +63,11 @@ class ServerConfig:
     #: client's deadline or cancellation reaches Triton 2.51 (docs/reliability.md "Deadlines and
     #: cancellation"). None: tritonserver listens on `grpc_port` itself. EmbeddedTritonServer runs the guard.
     triton_grpc_port: int | None = None
+    #: On a stop, unload the models before tritonserver gets SIGTERM (server.admission): new requests
+    #: refused, held ones answered, none abandoned. False behind a load balancer that takes the server out
+    #: when its health check fails: tritonserver then serves on through its drain while the balancer moves
+    #: traffic away (an unload would refuse what the balancer still sends in the ~0.5 s before it notices).
+    refuse_first: bool = True
 
     @property
     def loopback_only(self) -> bool:

@@ -296,7 +296,7 @@ class EmbeddedTritonServer:
         close_first: when drain_s > 0, first unload every model (server.admission.stop_admitting: new
         requests refused, those held answered), for up to exit_timeout_s, so tritonserver holds nothing
         when its exit timeout ends (Triton 2.51 abandons what it holds then). False skips it (a restart
-        after a fault, a wedged server). drain_s: how long to wait after SIGTERM before SIGKILL; default
+        after a fault, a wedged server), as does config.refuse_first False. drain_s: how long to wait after SIGTERM before SIGKILL; default
         exit_timeout_s + 10 s (the server's own exit timeout plus a margin). A gRPC guard in front
         forwards until tritonserver has exited, then stops. hurry: polled every 0.1 s while waiting; True
         cuts the wait short (SIGKILL now, in-flight requests fail).
@@ -306,7 +306,7 @@ class EmbeddedTritonServer:
             return None
         drain_s = self.config.exit_timeout_s + 10 if drain_s is None else drain_s
         if self.process.poll() is None:
-            if close_first and drain_s > 0 and not (hurry is not None and hurry()):
+            if close_first and self.config.refuse_first and drain_s > 0 and not (hurry is not None and hurry()):
                 from resnet18_kit.server.admission import stop_admitting
 
                 self.closed_first = stop_admitting(self.config.http_url, self.control_key,
