@@ -16,7 +16,7 @@ import tritonclient.http as httpclient
 from resnet18_kit.tools.reliability.lifecycle import CASES, ServeRun, held_port, repeated_stops, run_case
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.tools.reliability.fleet_load import FleetLoad
-from resnet18_kit.tools.reliability.loads import echo_load, onnx_load, response_id
+from resnet18_kit.tools.reliability.loads import echo_load, onnx_load
 from resnet18_kit.tools.reliability.senders import infer, send_fresh
 from resnet18_kit.tools.reliability import ECHO_MODEL, repository_with
 from resnet18_kit.server.config import (ConfigurationError, PortBusyError, ServerConfig, check_ports_free,
@@ -216,12 +216,12 @@ def test_sigterm_refuses_new_requests_on_an_open_http_connection_and_exits_once_
     assert status == 0 and exit_after_close_s < exit_timeout_s / 2, (status, exit_after_close_s)
 
 
-@pytest.mark.parametrize("close_first", [False, True], ids=["triton-2.51-alone", "kit"])
-def test_a_stop_under_keep_alive_http_load_abandons_nothing(tmp_path, close_first):
+@pytest.mark.parametrize("refuse_first", [False, True], ids=["triton-2.51-alone", "kit"])
+def test_a_stop_under_keep_alive_http_load_abandons_nothing(tmp_path, refuse_first):
     """Triton 2.51 defect (docs/reliability.md "Stopping"): on SIGTERM it serves requests on open HTTP
     connections (keep-alive) for the whole exit timeout, then "Exit timeout expired. Exiting immediately.",
     exit 1, abandoning the inferences it holds. Reproduced with the kit's first step left out
-    (close_first=False); the kit's stop unloads the models first: refused, never abandoned, exit 0."""
+    (refuse_first=False); the kit's stop unloads the models first: refused, never abandoned, exit 0."""
     config = config_on_free_ports(model_repository=REPO_ROOT / "model_repository", exit_timeout_s=5,
                                   response_cache_bytes=0)
     log = tmp_path / "tritonserver.log"
@@ -232,18 +232,18 @@ def test_a_stop_under_keep_alive_http_load_abandons_nothing(tmp_path, close_firs
         load.start()
         time.sleep(2.0)
         before = load.tally.answered
-        status = server.stop(close_first=close_first)
+        status = server.stop(refuse_first=refuse_first)
     finally:
         tally = load.stop()
         server.stop(drain_s=0)
     expired = "Exit timeout expired" in log.read_text(errors="replace")
-    print(f"\nclose_first={close_first}: exit {status}, exit timeout expired: {expired}; answered {before} before the "
+    print(f"\nrefuse_first={refuse_first}: exit {status}, exit timeout expired: {expired}; answered {before} before the "
           f"stop, {tally.answered - before} after; tries {({k: len(v) for k, v in tally.tries.items()})}; "
           f"{tally.errors[:2]}")
-    if not close_first:  # the defect: served through the exit timeout, then abandoned
+    if not refuse_first:  # the defect: served through the exit timeout, then abandoned
         assert tally.answered - before > 0 and expired and status != 0
     else:
-        assert server.closed_first and status == 0 and not expired
+        assert server.refused_first and status == 0 and not expired
         assert set(tally.tries) <= {"answered", "unavailable"}, tally.errors  # refused before it ran
     assert tally.lost == 0
 

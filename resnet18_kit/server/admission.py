@@ -35,10 +35,11 @@ def stop_admitting(http_url: str, key: str | None, timeout_s: float,
     Returns True when every model is unloaded; False when time ran out, `hurry` said so, or the server
     did not answer or refused (it is then stopped as before: SIGTERM, its exit timeout). Raises nothing."""
     import tritonclient.http as httpclient
-    from tritonclient.utils import InferenceServerException
+
+    from resnet18_kit.server.embedded import ADMIN_HEADER
 
     deadline = time.monotonic() + timeout_s
-    headers = {"admin-key": key} if key else None
+    headers = {ADMIN_HEADER: key} if key else None
     client = httpclient.InferenceServerClient(http_url, connection_timeout=2.0, network_timeout=max(timeout_s, 1.0))
     try:
         live = _live_models(client, headers)
@@ -51,7 +52,7 @@ def stop_admitting(http_url: str, key: str | None, timeout_s: float,
                     return False
                 time.sleep(POLL_INTERVAL_S)
         return True
-    except (InferenceServerException, OSError, Exception):  # any refusal, or a server that no longer answers
+    except Exception:  # a refusal (InferenceServerException), or a server that no longer answers
         return False
     finally:
         client.close()

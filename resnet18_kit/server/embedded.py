@@ -137,15 +137,16 @@ def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PR
         cmd.append(f"--model-config-name={config.model_config_name}")
     # Triton takes keys only on its command line, so local users can read them in `ps`; the restriction
     # is against callers from the network, not other accounts on this machine.
-    restrictions = {}
+    restrictions = []  # (APIs, key)
+    user_apis = RESTRICTED_APIS
     if config.model_control != "explicit":
         if not control_key:
             raise ValueError("server_command: model control 'none' needs a control_key to lock the model-control API")
-        restrictions[control_key] = ["model-repository"]
+        restrictions.append((["model-repository"], control_key))
+        user_apis = [api for api in RESTRICTED_APIS if api != "model-repository"]
     if config.admin_key:
-        restrictions.setdefault(config.admin_key, []).extend(
-            api for api in RESTRICTED_APIS if api not in restrictions.get(control_key, []))
-    for key, apis in restrictions.items():
+        restrictions.append((user_apis, config.admin_key))
+    for apis, key in restrictions:
         restriction = f"{','.join(apis)}:{ADMIN_HEADER}={key}"
         cmd += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
     return cmd + list(config.extra_args)
@@ -178,7 +179,7 @@ class EmbeddedTritonServer:
         #: listening before the server is ready, stopped after it.
         self.guard = None
         #: Set by stop(): True when every model was unloaded before SIGTERM (nothing was left in flight).
-        self.closed_first: bool | None = None
+        self.refused_first: bool | None = None
 
     def start(self, ready_timeout_s: float = 300.0, cancelled: Callable[[], bool] | None = None) -> float:
         """Check the ports, start the server and block until it is ready; return seconds from start to
@@ -289,28 +290,29 @@ class EmbeddedTritonServer:
         return {name: rss for name, rss in memory.items() if rss is not None}
 
     def stop(self, drain_s: float | None = None, hurry: Callable[[], bool] | None = None,
-             close_first: bool = True) -> int | None:
-        """Stop admitting requests (close_first), SIGTERM, wait for in-flight requests, then SIGKILL the
+             refuse_first: bool = True) -> int | None:
+        """Stop admitting requests (refuse_first), SIGTERM, wait for in-flight requests, then SIGKILL the
         process group (stubs included) and remove this server's shared-memory regions left in /dev/shm.
 
-        close_first: when drain_s > 0, first unload every model (server.admission.stop_admitting: new
-        requests refused, those held answered), for up to exit_timeout_s, so tritonserver holds nothing
-        when its exit timeout ends (Triton 2.51 abandons what it holds then). False skips it (a restart
-        after a fault, a wedged server), as does config.refuse_first False. drain_s: how long to wait after SIGTERM before SIGKILL; default
-        exit_timeout_s + 10 s (the server's own exit timeout plus a margin). A gRPC guard in front
-        forwards until tritonserver has exited, then stops. hurry: polled every 0.1 s while waiting; True
-        cuts the wait short (SIGKILL now, in-flight requests fail).
+        refuse_first: when drain_s > 0 and config.refuse_first, first unload every model
+        (server.admission.stop_admitting: new requests refused, those held answered), for up to
+        exit_timeout_s, so tritonserver holds nothing when its exit timeout ends (Triton 2.51 abandons
+        what it holds then). False skips it (a restart after a fault, a wedged server).
+        drain_s: how long to wait after SIGTERM before SIGKILL; default exit_timeout_s + 10 s (the
+        server's own exit timeout plus a margin). A gRPC guard in front forwards until tritonserver has
+        exited, then stops. hurry: polled every 0.1 s while waiting; True cuts the wait short (SIGKILL
+        now, in-flight requests fail).
         Returns the server's exit status (None if it was never started; negative: killed by that signal).
         """
         if self.process is None:
             return None
         drain_s = self.config.exit_timeout_s + 10 if drain_s is None else drain_s
         if self.process.poll() is None:
-            if close_first and self.config.refuse_first and drain_s > 0 and not (hurry is not None and hurry()):
+            if refuse_first and self.config.refuse_first and drain_s > 0 and not (hurry is not None and hurry()):
                 from resnet18_kit.server.admission import stop_admitting
 
-                self.closed_first = stop_admitting(self.config.http_url, self.control_key,
-                                                   min(drain_s, self.config.exit_timeout_s), hurry)
+                self.refused_first = stop_admitting(self.config.http_url, self.control_key,
+                                                    min(drain_s, self.config.exit_timeout_s), hurry)
             self.process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + drain_s
             while self.process.poll() is None and time.monotonic() < deadline:

@@ -288,12 +288,12 @@ class Supervisor:
         if len(self._restart_times) >= self.policy.max_restarts:
             self._event("gave-up", f"{reason}; {len(self._restart_times)} restarts in the last "
                                    f"{self.policy.restart_window_s:.0f} s already")
-            self.server.stop(drain_s=self.policy.restart_drain_s, close_first=False)
+            self.server.stop(drain_s=self.policy.restart_drain_s, refuse_first=False)
             return 1
         self._restart_times.append(now)
         self.restarts += 1
         self._event("fault", reason)
-        status = self.server.stop(drain_s=self.policy.restart_drain_s, close_first=False)
+        status = self.server.stop(drain_s=self.policy.restart_drain_s, refuse_first=False)
         self._event("restart", f"old server stopped (status {status}) in {time.monotonic() - now:.1f} s; "
                                f"starting again (restart {self.restarts})")
         try:
@@ -332,7 +332,7 @@ class Supervisor:
                     return status
         wedged = self.wedged()  # its drain would only wait out the exit timeout: SIGKILL after restart_drain_s
         status = self.server.stop(drain_s=self.policy.restart_drain_s if wedged else None, hurry=self._hurried,
-                                  close_first=not wedged)
+                                  refuse_first=not wedged)
         if wedged:
             self._event("stopped", f"the server was wedged: killed after {self.policy.restart_drain_s:.0f} s "
                                    f"(status {status})")
