@@ -219,9 +219,10 @@ def test_sigterm_refuses_new_requests_on_an_open_http_connection_and_exits_once_
 @pytest.mark.parametrize("refuse_first", [False, True], ids=["triton-2.51-alone", "kit"])
 def test_a_stop_under_keep_alive_http_load_abandons_nothing(tmp_path, refuse_first):
     """Triton 2.51 defect (docs/reliability.md "Stopping"): on SIGTERM it serves requests on open HTTP
-    connections (keep-alive) for the whole exit timeout, then "Exit timeout expired. Exiting immediately.",
-    exit 1, abandoning the inferences it holds. Reproduced with the kit's first step left out
-    (refuse_first=False); the kit's stop unloads the models first: refused, never abandoned, exit 0."""
+    connections (keep-alive) for the whole exit timeout, then "Exit timeout expired. Exiting immediately."
+    and a non-zero exit (1, or -11 when it crashes), abandoning the inferences it holds. Reproduced with the
+    kit's first step left out (refuse_first=False); the kit's stop unloads the models first: refused, never
+    abandoned, exit 0."""
     config = config_on_free_ports(model_repository=REPO_ROOT / "model_repository", exit_timeout_s=5,
                                   response_cache_bytes=0)
     log = tmp_path / "tritonserver.log"
@@ -232,16 +233,19 @@ def test_a_stop_under_keep_alive_http_load_abandons_nothing(tmp_path, refuse_fir
         load.start()
         time.sleep(2.0)
         before = load.tally.answered
+        began = time.monotonic()
         status = server.stop(refuse_first=refuse_first)
+        stop_s = time.monotonic() - began
     finally:
         tally = load.stop()
         server.stop(drain_s=0)
     expired = "Exit timeout expired" in log.read_text(errors="replace")
-    print(f"\nrefuse_first={refuse_first}: exit {status}, exit timeout expired: {expired}; answered {before} before the "
-          f"stop, {tally.answered - before} after; tries {({k: len(v) for k, v in tally.tries.items()})}; "
-          f"{tally.errors[:2]}")
-    if not refuse_first:  # the defect: served through the exit timeout, then abandoned
-        assert tally.answered - before > 0 and expired and status != 0
+    print(f"\nrefuse_first={refuse_first}: exit {status} after {stop_s:.1f} s, exit timeout expired: {expired}; "
+          f"answered {before} before the stop, {tally.answered - before} after; "
+          f"tries {({k: len(v) for k, v in tally.tries.items()})}; {tally.errors[:2]}")
+    if not refuse_first:  # the defect: served through the exit timeout, then a crash (its log line is not always
+        # flushed before it: one run exited -11 without "Exit timeout expired")
+        assert tally.answered - before > 0 and stop_s >= config.exit_timeout_s and status != 0
     else:
         assert server.refused_first and status == 0 and not expired
         assert set(tally.tries) <= {"answered", "unavailable"}, tally.errors  # refused before it ran

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,18 +149,24 @@ def test_sigterm_lets_accepted_requests_finish_refuses_new_ones_and_exits_in_tim
 
 
 def test_killing_serve_outright_takes_its_server_down(echo_repository, tmp_path):
-    """`serve` SIGKILLed (no chance to stop tritonserver): the server gets SIGTERM from the kernel
-    (die_with_parent) and exits instead of holding the ports as an orphan."""
+    """`serve` SIGKILLed (no chance to stop tritonserver): the server and the gRPC guard get SIGTERM from the
+    kernel (die_with_parent) and exit instead of holding the ports as orphans; the guard removes the counts
+    file nobody is left to read, with its folder."""
     from resnet18_kit.observe.processes import child_processes, process_alive
 
     config = config_on_free_ports(model_repository=echo_repository, exit_timeout_s=5)
     serve = start_serve(config, tmp_path / "serve.log")
     try:
         wait_ready(config, serve, 120)
-        (server_pid, _), = [(pid, argv) for pid, argv in child_processes(serve.pid) if "tritonserver" in argv[0]]
+        children = child_processes(serve.pid)
+        (server_pid, _), = [(pid, argv) for pid, argv in children if "tritonserver" in argv[0]]
+        (guard_pid, guard_argv), = [(pid, argv) for pid, argv in children if "grpc-guard" in argv]
+        counts_file = Path(guard_argv[guard_argv.index("--counts-file") + 1])
+        assert counts_file.is_file()
         serve.kill()
         serve.wait()
-        wait_for(lambda: not process_alive(server_pid), timeout_s=30)
+        wait_for(lambda: not process_alive(server_pid) and not process_alive(guard_pid), timeout_s=30)
+        assert not counts_file.parent.exists()
     finally:
         if serve.poll() is None:
             serve.kill()

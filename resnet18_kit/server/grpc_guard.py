@@ -247,8 +247,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-s", type=float, default=5.0,
                         help="seconds calls in flight get after SIGTERM (default 5)")
     parser.add_argument("--port-flag", default="--listen", help=argparse.SUPPRESS)  # the starter's flag for the port
-    parser.add_argument("--counts-file", type=Path, help="a JSON file kept up to date with what the guard did "
-                                                         "(forwarded, client_gone, expired_on_arrival, streams_drained)")
+    parser.add_argument("--counts-file", type=Path,
+                        help="a JSON file kept up to date with what the guard did (forwarded, client_gone, "
+                             "expired_on_arrival, streams_drained) while it runs; removed at exit, with its "
+                             "folder if nothing else is left in it (the final counts are the last line of the "
+                             "guard's output)")
 
 
 def _address(text: str, flag: str) -> tuple[str, int]:
@@ -291,7 +294,12 @@ async def _serve(guard: GuardServer, grace_s: float, counts_file: Path | None) -
             await asyncio.wait_for(stop.wait(), COUNTS_INTERVAL_S)
         written = _write_counts(counts_file, guard.counts, written)
     await guard.stop(grace_s)
-    _write_counts(counts_file, guard.counts, None)
+    counts = ", ".join(f"{name} {value}" for name, value in asdict(guard.counts).items())
+    print(f"grpc-guard: stopped; {counts}", file=sys.stderr, flush=True)
+    if counts_file is not None:  # like a pid file: the state of a running guard, removed at exit even when the
+        with contextlib.suppress(OSError):  # process that started it is gone (the guard got pdeathsig)
+            counts_file.unlink()
+            counts_file.parent.rmdir()  # the folder it was given, when nothing else is left in it
     return 0
 
 
