@@ -27,6 +27,7 @@ from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, P
 SERVED_MODULES = {
     "image_transform": Path(PREPROCESS_MODEL) / "1" / "image_transform.py",
     "runtimes": Path(ONNX_MODEL) / "1" / "runtimes.py",
+    "cancellation": Path(PREPROCESS_MODEL) / "1" / "cancellation.py",
 }
 #: Package under which served modules are registered in sys.modules (never imported by name).
 SERVED_PACKAGE = "resnet18_kit.served"

@@ -172,6 +172,8 @@ def test_help_names_the_command_the_user_typed(command, tmp_path):
     (["--log-level", "LOUD", "figures"], "--log-level 'LOUD': one of DEBUG, INFO, WARNING, ERROR"),
     (["classify", "--url", "https://127.0.0.1:8000", "x.png"], "--url: URL 'https://127.0.0.1:8000': scheme https://"),
     (["classify", "--url", "127.0.0.1", "x.png"], "--url: URL '127.0.0.1': give host:port"),
+    (["grpc-guard", "--listen", "127.0.0.1:1", "--upstream", "127.0.0.1:1", "--cancel-marks", "/nonexistent/marks"],
+     "--cancel-marks /nonexistent/marks: not a folder"),
 ])
 def test_a_bad_setting_is_one_line(tmp_path, args, message):
     result = kit(*args, cwd=tmp_path)

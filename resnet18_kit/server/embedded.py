@@ -31,6 +31,7 @@ from typing import Callable
 
 from resnet18_kit.contract import DEFAULT_HOST
 from resnet18_kit.observe.processes import child_processes, port_listeners, rss_bytes
+from resnet18_kit.server.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
 from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError, StartCancelled, check_ports_free
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, remove_regions
 from resnet18_kit.server.server_log import first_error_line, log_tail
@@ -200,18 +201,27 @@ class EmbeddedTritonServer:
             command = ["nice", "-n", str(self.config.nice), *command]  # exec'd: the same pid, its threads inherit
         if self.die_with_parent and shutil.which("setpriv"):
             command = ["setpriv", "--pdeathsig", "TERM", "--", *command]  # kept across its exec
-        self.process = subprocess.Popen(
-            command, env=server_environment(), stdout=output,
-            stderr=subprocess.STDOUT if output else None,
-            start_new_session=True)  # Ctrl-C reaches us, not the server; we stop it gracefully
-        if output:
-            output.close()
-        try:
-            if self.config.triton_grpc_port is not None:  # listening before tritonserver is ready, as its own gRPC
-                from resnet18_kit.server.grpc_guard import GrpcGuard
+        env = server_environment()
+        env.pop(CANCEL_MARKS_ENVIRONMENT, None)
+        if self.config.triton_grpc_port is not None:  # its marks reach the models (server.cancel_marks)
+            from resnet18_kit.server.guard_process import GrpcGuard
 
-                self.guard = GrpcGuard(self.config.host, self.config.grpc_port, self.config.triton_grpc_url,
-                                       self.log_path, grace_s=self.config.exit_timeout_s)
+            self.guard = GrpcGuard(self.config.host, self.config.grpc_port, self.config.triton_grpc_url,
+                                   self.log_path, grace_s=self.config.exit_timeout_s)
+            env[CANCEL_MARKS_ENVIRONMENT] = str(self.guard.marks_folder)
+        try:
+            self.process = subprocess.Popen(
+                command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
+                start_new_session=True)  # Ctrl-C reaches us, not the server; we stop it gracefully
+        except BaseException:
+            if self.guard is not None:
+                self.guard.stop()
+            raise
+        finally:
+            if output:
+                output.close()
+        try:
+            if self.guard is not None:  # listening before tritonserver is ready, as its own gRPC would
                 self.guard.start()
             self.wait_ready(ready_timeout_s, cancelled)
         except StartCancelled:

@@ -18,6 +18,8 @@ What the guard does: it listens where gRPC clients connect and forwards every ca
     whose deadline passes, gets its status from its own gRPC library at once; the guard keeps waiting
     for Triton's answer and drops it. A stream whose client goes away is half-closed upstream and read
     to its end;
+  * a ModelInfer whose client goes while Triton holds it is marked cancelled (server.cancel_marks): the
+    kit's Python models answer it CANCELLED without computing it unless they have already begun;
   * a ModelInfer that arrives with its deadline already past is answered DEADLINE_EXCEEDED and not sent;
   * a ModelInfer to a model with the response cache that asks for some of its outputs asks for all of
     them upstream and gets its answer trimmed back (server.guard_requests: Triton 2.51's cache key
@@ -28,8 +30,8 @@ Forwarded calls end when Triton answers; a wedged server is the supervisor's to 
 (server.supervisor), which closes the connection and fails them with UNAVAILABLE.
 
 The guard is a process of its own, `resnet18-kit grpc-guard` (its own interpreter: no GIL shared with the
-program that starts it, which may be a load generator): `GrpcGuard` starts it, waits until it listens and
-stops it (SIGTERM: it stops listening, gives calls in flight --grace-s, exits 0); EmbeddedTritonServer does
+program that starts it, which may be a load generator): `GrpcGuard` (server.guard_process) starts it,
+waits until it listens and stops it (SIGTERM: it stops listening, gives calls in flight --grace-s, exits 0); EmbeddedTritonServer does
 that for every server whose config has `triton_grpc_port`. Alone, in front of any Triton 2.51 server:
 
     resnet18-kit grpc-guard --listen 0.0.0.0:8001 --upstream 127.0.0.1:18001
@@ -43,12 +45,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -56,6 +54,7 @@ import grpc
 
 from resnet18_kit.server.guard_requests import (TIMEOUT_PARAMETER, CachedOutputs, set_timeout, trim,  # noqa: F401
                                                 widen, with_timeout)
+from resnet18_kit.server.cancel_marks import Marks, new_token, tagged
 from resnet18_kit.server.config import PortBusyError
 from resnet18_kit.server.resources import busy_port
 
@@ -78,6 +77,7 @@ class GuardCounts:
     client_gone: int = 0      # of those, calls whose client cancelled or timed out first: answer dropped
     expired_on_arrival: int = 0  # ModelInfer calls whose deadline had passed: answered, not forwarded
     streams_drained: int = 0  # streams whose client went away, read to their end upstream
+    marked: int = 0           # ModelInfer calls whose client went while Triton held them: marked cancelled
 
 
 def _forwarded_metadata(context) -> tuple:
@@ -95,12 +95,14 @@ class GuardServer:
     """The guard's gRPC server, on the running asyncio loop: `await start()` binds (PortBusyError) and
     serves, `await stop(grace_s)` stops; `counts` says what it did."""
 
-    def __init__(self, listen_host: str, listen_port: int, upstream: str, port_flag: str = "--listen"):
+    def __init__(self, listen_host: str, listen_port: int, upstream: str, port_flag: str = "--listen",
+                 marks: Marks | None = None):
         self.listen = f"[{listen_host}]:{listen_port}" if ":" in listen_host else f"{listen_host}:{listen_port}"
         self.port_flag = port_flag  # named in the message when the port is taken
         self.listen_host = listen_host
         self.listen_port = listen_port
         self.upstream = upstream
+        self.marks = marks  # where cancelled ModelInfer calls are marked for the models (server.cancel_marks)
         self.counts = GuardCounts()
         self._server = None
         self._channel = None
@@ -151,12 +153,15 @@ class GuardServer:
 
     def _unary_handler(self, upstream, infer: bool):
         async def handle(raw_request: bytes, context):
-            remaining_s, asked = context.time_remaining(), None
+            remaining_s, asked, token = context.time_remaining(), None, None
             if infer:
                 if remaining_s is not None and remaining_s <= 0:
                     self.counts.expired_on_arrival += 1
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was sent")
                 raw_request, asked = await self._prepared(raw_request, remaining_s)
+                if self.marks is not None:
+                    token = new_token()
+                    raw_request = tagged(raw_request, token)
             self.counts.forwarded += 1
             call = self._keep(_awaited(upstream(raw_request, metadata=_forwarded_metadata(context))))
             try:
@@ -164,6 +169,10 @@ class GuardServer:
                 return trim(answer, asked) if asked else answer
             except asyncio.CancelledError:  # the client went: the forwarded call goes on, its answer dropped
                 self.counts.client_gone += 1
+                if token is not None and not call.done():  # the models skip it if they have not begun it
+                    self.counts.marked += 1
+                    self.marks.mark(token)
+                    call.add_done_callback(lambda _: self.marks.clear(token))
                 call.add_done_callback(_consume)
                 raise
             except grpc.aio.AioRpcError as error:
@@ -248,10 +257,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds calls in flight get after SIGTERM (default 5)")
     parser.add_argument("--port-flag", default="--listen", help=argparse.SUPPRESS)  # the starter's flag for the port
     parser.add_argument("--counts-file", type=Path,
-                        help="a JSON file kept up to date with what the guard did (forwarded, client_gone, "
-                             "expired_on_arrival, streams_drained) while it runs; removed at exit, with its "
-                             "folder if nothing else is left in it (the final counts are the last line of the "
-                             "guard's output)")
+                        help="a JSON file kept up to date with what the guard did (GuardCounts) while it "
+                             "runs; removed at exit, with its folder if nothing else is left in it (the final "
+                             "counts are the last line of the guard's output)")
+    parser.add_argument("--cancel-marks", type=Path, metavar="FOLDER",
+                        help="an existing folder where a ModelInfer whose client went away is marked "
+                             "cancelled, for models that look (server.cancel_marks; tritonserver gets the "
+                             "folder as RESNET18_KIT_CANCEL_MARKS); emptied and removed at exit")
 
 
 def _address(text: str, flag: str) -> tuple[str, int]:
@@ -269,12 +281,16 @@ def run(settings, args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"grpc-guard: {exc}", file=sys.stderr)
         return 2
+    if args.cancel_marks is not None and not args.cancel_marks.is_dir():
+        print(f"grpc-guard: --cancel-marks {args.cancel_marks}: not a folder", file=sys.stderr)
+        return 2
     problem = busy_port(host, (("gRPC", args.port_flag, port),))  # before gRPC, whose failed bind logs a line of its own
     if problem:
         print(f"grpc-guard: {problem}", file=sys.stderr)
         return 2
+    marks = Marks(args.cancel_marks) if args.cancel_marks is not None else None
     try:
-        return asyncio.run(_serve(GuardServer(host, port, args.upstream, args.port_flag), args.grace_s,
+        return asyncio.run(_serve(GuardServer(host, port, args.upstream, args.port_flag, marks), args.grace_s,
                                   args.counts_file))
     except PortBusyError as exc:
         print(f"grpc-guard: {exc}", file=sys.stderr)
@@ -296,8 +312,10 @@ async def _serve(guard: GuardServer, grace_s: float, counts_file: Path | None) -
     await guard.stop(grace_s)
     counts = ", ".join(f"{name} {value}" for name, value in asdict(guard.counts).items())
     print(f"grpc-guard: stopped; {counts}", file=sys.stderr, flush=True)
-    if counts_file is not None:  # like a pid file: the state of a running guard, removed at exit even when the
-        with contextlib.suppress(OSError):  # process that started it is gone (the guard got pdeathsig)
+    if guard.marks is not None:  # nothing is in flight any more; like the counts, gone even when the process
+        guard.marks.remove()     # that started the guard is (it got pdeathsig)
+    if counts_file is not None:  # like a pid file: the state of a running guard
+        with contextlib.suppress(OSError):
             counts_file.unlink()
             counts_file.parent.rmdir()  # the folder it was given, when nothing else is left in it
     return 0
@@ -310,86 +328,3 @@ def _write_counts(path: Path | None, counts: GuardCounts, last: dict | None) -> 
         partial.write_text(json.dumps(now))
         partial.replace(path)
     return now
-
-
-class GrpcGuard:
-    """`resnet18-kit grpc-guard` in a process of its own, listening on `listen_host`:`listen_port` and
-    forwarding to `upstream`. log_path: its output (None: this process's). It gets SIGTERM when the thread
-    that started it dies (setpriv --pdeathsig, as tritonserver)."""
-
-    def __init__(self, listen_host: str, listen_port: int, upstream: str, log_path: Path | None = None,
-                 grace_s: float = 5.0):
-        self.listen_host, self.listen_port, self.upstream = listen_host, listen_port, upstream
-        self.grace_s = grace_s  # what calls in flight get once it is asked to stop (--grace-s)
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
-        self._counts_dir = None
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        """Start it and wait until it listens. Raises PortBusyError (its one line) when it exits 2,
-        RuntimeError when it exits otherwise or does not listen within `timeout_s` seconds."""
-        from resnet18_kit.observe.processes import port_listeners
-
-        self._counts_dir = tempfile.mkdtemp(prefix="grpc-guard-")
-        listen = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
-        command = [sys.executable, "-m", "resnet18_kit", "grpc-guard", "--listen", f"{listen}:{self.listen_port}",
-                   "--upstream", self.upstream, "--counts-file", str(self.counts_path), "--port-flag=--grpc-port",
-                   "--grace-s", str(self.grace_s)]
-        if shutil.which("setpriv"):
-            command = ["setpriv", "--pdeathsig", "TERM", "--", *command]
-        output = open(self.log_path, "ab") if self.log_path else None
-        self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                        start_new_session=True)
-        if output:
-            output.close()
-        deadline = time.monotonic() + timeout_s
-        while not any(pid == self.process.pid for pid, _ in port_listeners(self.listen_port)):
-            status = self.process.poll()
-            if status is not None:
-                self._cleanup()
-                if status == 2:
-                    raise PortBusyError(self._last_line() or f"gRPC port {self.listen_port} cannot be bound")
-                raise RuntimeError(f"the gRPC guard exited with status {status} before listening")
-            if time.monotonic() > deadline:
-                self.stop(grace_s=0)
-                raise RuntimeError(f"the gRPC guard did not listen on port {self.listen_port} within {timeout_s:.0f} s")
-            time.sleep(0.05)
-
-    @property
-    def counts_path(self) -> Path:
-        return Path(self._counts_dir) / "counts.json"
-
-    @property
-    def counts(self) -> GuardCounts:
-        """What the guard did so far (written by it every COUNTS_INTERVAL_S)."""
-        try:
-            return GuardCounts(**json.loads(self.counts_path.read_text()))
-        except (OSError, ValueError, TypeError):
-            return GuardCounts()
-
-    def stop(self, grace_s: float = 5.0) -> int | None:
-        """SIGTERM (it refuses new calls, gives those in flight up to its own grace), `grace_s` + 5 s for it
-        to exit, then SIGKILL; grace_s 0: SIGKILL at once. Its exit status (idempotent)."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None and grace_s <= 0:
-            self.process.kill()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace_s + 5.0)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._cleanup()
-        return self.process.returncode
-
-    def _cleanup(self) -> None:
-        if self._counts_dir:
-            shutil.rmtree(self._counts_dir, ignore_errors=True)
-
-    def _last_line(self) -> str:
-        if not self.log_path or not Path(self.log_path).is_file():
-            return ""
-        lines = [line for line in Path(self.log_path).read_text(errors="replace").splitlines() if line.strip()]
-        return lines[-1].removeprefix("grpc-guard: ") if lines else ""

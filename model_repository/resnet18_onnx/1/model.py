@@ -7,8 +7,9 @@ file. The config's parameters name the file, the runtime and its threads (runtim
 
 execute() stacks the inputs of every request the dynamic batcher handed over into one batch, runs the
 network once, and splits the outputs back per request. If the stacked run fails, each request is run
-alone, so only the request that fails gets an error. A request whose client has gone (is_cancelled(), one
-round trip to the server per request) is answered CANCELLED and left out of the batch.
+alone, so only the request that fails gets an error. A request whose client has gone (cancellation.py
+beside this file: Triton's own flag, or the mark of serve's gRPC guard) is answered CANCELLED and left out
+of the batch.
 """
 import json
 import os
@@ -20,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runtimes  # noqa: E402  (beside this file: how each runtime is loaded and configured)
+from cancellation import Cancellation  # noqa: E402
 
 
 def cancelled():
@@ -37,9 +39,10 @@ class TritonPythonModel:
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         spec = runtimes.RuntimeSpec.from_parameters(params, Path(args["model_repository"]) / args["model_version"])
         self.run = runtimes.load(spec)
+        self.cancellation = Cancellation.from_environment()
 
     def execute(self, requests):
-        gone = [request.is_cancelled() for request in requests]
+        gone = [self.cancellation.gone(request) for request in requests]
         live = [request for request, g in zip(requests, gone) if not g]
         answers = iter(self._batch(live) if live else ())
         return [cancelled() if g else next(answers) for g in gone]
