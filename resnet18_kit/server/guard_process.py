@@ -27,8 +27,8 @@ class GrpcGuard:
         self.grace_s = grace_s  # what calls in flight get once it is asked to stop (--grace-s)
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
-        self._counts_dir = tempfile.mkdtemp(prefix="grpc-guard-")
-        self.marks_folder = Path(self._counts_dir) / "marks"  # server.cancel_marks
+        self._folder = tempfile.mkdtemp(prefix="grpc-guard-")
+        self.marks_folder = Path(self._folder) / "marks"  # server.cancel_marks
         self.marks_folder.mkdir()
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -62,7 +62,7 @@ class GrpcGuard:
 
     @property
     def counts_path(self) -> Path:
-        return Path(self._counts_dir) / "counts.json"
+        return Path(self._folder) / "counts.json"
 
     @property
     def counts(self) -> GuardCounts:
@@ -91,8 +91,8 @@ class GrpcGuard:
         return self.process.returncode
 
     def _cleanup(self) -> None:
-        if self._counts_dir:
-            shutil.rmtree(self._counts_dir, ignore_errors=True)
+        if self._folder:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
     def _last_line(self) -> str:
         if not self.log_path or not Path(self.log_path).is_file():
