@@ -31,8 +31,9 @@ Forwarded calls end when Triton answers; a wedged server is the supervisor's to 
 
 The guard is a process of its own, `resnet18-kit grpc-guard` (its own interpreter: no GIL shared with the
 program that starts it, which may be a load generator): `GrpcGuard` (server.guard_process) starts it,
-waits until it listens and stops it (SIGTERM: it stops listening, gives calls in flight --grace-s, exits 0); EmbeddedTritonServer does
-that for every server whose config has `triton_grpc_port`. Alone, in front of any Triton 2.51 server:
+waits until it listens and stops it (SIGTERM: it stops listening, gives calls in flight --grace-s, exits
+0); EmbeddedTritonServer does that for every server whose config has `triton_grpc_port`. Alone, in front
+of any Triton 2.51 server:
 
     resnet18-kit grpc-guard --listen 0.0.0.0:8001 --upstream 127.0.0.1:18001
 
