@@ -1,15 +1,23 @@
-# The two commands a user needs (README.md):  make demo   and   make test
-# Everything runs from the venv in .venv/, created by `make setup` (scripts/setup.sh), through its one
-# command, .venv/bin/resnet18-kit (`resnet18-kit --help`). Set-up messages go to stderr, so that
-# `make classify ARGS="--json ..." | jq .` reads JSON only.
+# The two commands a user needs (README.md):  make demo   and   make test;  make check is the fast tier.
+# Everything runs from the venv in .venv/, created by scripts/setup.sh in layers (each target installs what it
+# uses, idempotent), through its one command, .venv/bin/resnet18-kit (`resnet18-kit --help`). Set-up messages
+# go to stderr, so that `make classify ARGS="--json ..." | jq .` reads JSON only.
 PYTHON := .venv/bin/python
 KIT := .venv/bin/resnet18-kit
 ARGS ?=
+# The fast tier: no tritonserver, no Docker engine, no deployment tool (markers: pyproject.toml).
+FAST := not live and not docker and not deploy
 
-.PHONY: setup export serve demo classify test evaluate image clean
+.PHONY: setup setup-check setup-test export serve demo classify check test evaluate image clean
 
-setup:  ## venv with every pinned dependency + Debian packages (idempotent)
-	@scripts/setup.sh >&2
+setup:  ## the main job's venv: tritonserver, the runtimes, export (no Docker, HAProxy or Prometheus)
+	@scripts/setup.sh demo >&2
+
+setup-check:  ## + the test tools (pytest, import-linter, perf_analyzer)
+	@scripts/setup.sh check >&2
+
+setup-test:  ## + the deployment tools and a Docker engine (compose parsers, Prometheus, HAProxy, dockerd)
+	@scripts/setup.sh test >&2
 
 export: setup  ## ResNet-18 -> model_repository (ONNX, TorchScript), only when missing
 	@$(KIT) export --if-missing >&2
@@ -23,13 +31,17 @@ demo: export  ## the main job: serve, classify the sample photos over HTTP and g
 classify: setup  ## classify images on a running server: make classify ARGS="photo.jpg folder/"
 	@$(KIT) classify $(ARGS)
 
-test: export  ## pytest against a real tritonserver on free ports
+check: setup-check export  ## the fast tier (about 2 minutes): no server, no Docker; ARGS="-k name" etc.
+	@$(PYTHON) -m pytest -m "$(FAST)" $(ARGS)
+
+test: setup-test export  ## the whole suite: real tritonservers, fleets and compose stacks on free ports
 	@$(PYTHON) -m pytest $(ARGS)
 
 evaluate: export  ## accuracy (labelled folder) and agreement with FP32 of served variants: make evaluate ARGS="folder/ --variants int8"
 	@$(KIT) evaluate $(ARGS)
 
 image: export  ## the CPU images of docker-compose.yaml from PyPI's wheels (a Docker engine: yours, or `resnet18-kit docker engine start`)
+	@scripts/setup.sh image >&2
 	@$(KIT) docker image --with fleet,monitoring $(ARGS)
 
 clean:  ## remove build outputs (exported models, results); keeps the venv

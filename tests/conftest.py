@@ -3,7 +3,9 @@ Test files share code through these fixtures and the product's public modules, n
 this file or each other."""
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -24,15 +26,103 @@ from resnet18_kit.settings import Settings
 
 #: Test-only models (e.g. resnet18_slow_stub), served beside the product's model repository.
 TEST_MODEL_REPOSITORY = Path(__file__).parent / "model_repository"
+#: Where every run writes each test's phase durations (scripts/test_durations.py makes the tables from it).
+DURATIONS_JSON = Path(__file__).parent.parent / "results" / "test-durations.json"
+#: Fixtures that start (or need) a real tritonserver, and those that need a Docker engine: a test using one
+#: is marked `live` or `docker` here, whatever its module says (so the fast tier can never start a server).
+LIVE_FIXTURES = {"triton_server", "client"}
+DOCKER_FIXTURES = {"engine", "images"}
+
+
+def pytest_collection_modifyitems(items):
+    """Marks tests by the fixtures they use: `live` (a tritonserver) and `docker` (a Docker engine)."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & LIVE_FIXTURES:
+            item.add_marker(pytest.mark.live)
+        if names & DOCKER_FIXTURES:
+            item.add_marker(pytest.mark.docker)
+
+
+class ServerWatch(threading.Thread):
+    """Notes, every POLL_S, each new process named in PROGRAMS (read from /proc/*/comm) and the test that
+    was running when it appeared: a test that starts one must be marked live, docker or deploy."""
+
+    PROGRAMS = ("tritonserver", "dockerd", "haproxy", "prometheus")
+    POLL_S = 0.25
+
+    def __init__(self) -> None:
+        super().__init__(name="server-watch", daemon=True)
+        self.current: tuple[str, bool] | None = None  # (nodeid, marked live/docker/deploy)
+        self.unmarked: dict[str, set[str]] = {}        # nodeid -> programs it started while unmarked
+        self.stopping = threading.Event()
+        self.seen = set(self.servers())
+
+    @classmethod
+    def servers(cls) -> dict[int, str]:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    comm = (entry / "comm").read_text().strip()
+                except OSError:
+                    continue
+                if comm in cls.PROGRAMS:
+                    found[int(entry.name)] = comm
+        return found
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.POLL_S):
+            current = self.current
+            for pid, comm in self.servers().items():
+                if pid not in self.seen:
+                    self.seen.add(pid)
+                    if current is not None and not current[1]:
+                        self.unmarked.setdefault(current[0], set()).add(comm)
+
+
+SERVER_WATCH = ServerWatch()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Tells the server watch which test runs, and whether it may start servers."""
+    SERVER_WATCH.current = (item.nodeid, any(item.get_closest_marker(m) for m in ("live", "docker", "deploy")))
+    yield
+    SERVER_WATCH.current = None
+
+
+_phases: list[dict] = []
+
+
+def pytest_runtest_logreport(report):
+    """Records each test's setup, call and teardown seconds (setup and teardown hold the fixtures' server,
+    fleet and compose starts and stops)."""
+    _phases.append({"nodeid": report.nodeid, "phase": report.when, "duration_s": round(report.duration, 3),
+                    "outcome": report.outcome})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Writes results/test-durations.json: the marker expression, the exit status and every phase."""
+    if not _phases:
+        return
+    DURATIONS_JSON.parent.mkdir(parents=True, exist_ok=True)
+    DURATIONS_JSON.write_text(json.dumps({"markexpr": session.config.getoption("markexpr"),
+                                          "exitstatus": int(exitstatus), "phases": _phases}, indent=0))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     """Fails the run when the suite leaves Python-backend shared-memory regions in /dev/shm that were not
     there before it, or a tritonserver / stub / haproxy / dockerd process of its own (set up first, so checked
-    last)."""
+    last), or when a test not marked live, docker or deploy started a server (ServerWatch)."""
     before = set(python_backend_regions())
+    SERVER_WATCH.start()
     yield
+    SERVER_WATCH.stopping.set()
+    SERVER_WATCH.join()
+    assert not SERVER_WATCH.unmarked, ("tests marked neither live, docker nor deploy started servers (mark them):"
+                                       f" {SERVER_WATCH.unmarked}")
     deadline = time.monotonic() + 10  # a server SIGTERMed by its parent's death may still be draining
     while True:
         regions = sorted(set(python_backend_regions()) - before)

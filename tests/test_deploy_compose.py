@@ -29,6 +29,8 @@ from resnet18_kit.contract import ALL_MODELS, PREPROCESS_MODEL, REPO_ROOT
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import config_parameters, instance_count, variant_config
 
+pytestmark = pytest.mark.deploy
+
 #: The shipped model repository of this checkout (what deployments carry).
 SHIPPED = ModelRepository(REPO_ROOT / "model_repository")
 

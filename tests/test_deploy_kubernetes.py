@@ -26,6 +26,8 @@ from resnet18_kit.contract import ALL_MODELS, PREPROCESS_MODEL, REPO_ROOT, TORCH
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import variant_config
 
+pytestmark = pytest.mark.deploy
+
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 KUSTOMIZE_ROOT = REPO_ROOT / "deploy" / "kubernetes"
 #: Overlays on the default release (26.08) and on the embedded server's (24.10), and the base.

@@ -29,6 +29,8 @@ from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import config_parameters, variant_config
 from resnet18_kit.server.embedded import library_path, server_environment, tritonserver_binary
 
+pytestmark = pytest.mark.deploy
+
 #: The shipped model repository of this checkout (what deployments carry).
 SHIPPED = ModelRepository(REPO_ROOT / "model_repository")
 

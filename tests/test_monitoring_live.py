@@ -35,6 +35,8 @@ from resnet18_kit.tools.reliability import ECHO_MODEL, RELIABILITY_REPOSITORY, r
 from resnet18_kit.server.config import config_on_free_ports, free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 
+pytestmark = [pytest.mark.live, pytest.mark.deploy]
+
 PROMETHEUS = Path("/usr/bin/prometheus")
 RULES_FILE = REPO_ROOT / "deploy" / "prometheus" / "rules" / "triton.rules.yml"
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "triton.json"

@@ -25,6 +25,8 @@ from resnet18_kit.contract import ALL_MODELS, PREPROCESS_MODEL, REPO_ROOT
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import max_queue_size, preferred_batch_sizes, variant_config
 
+pytestmark = pytest.mark.deploy
+
 PROMTOOL = Path("/usr/bin/promtool")
 PROMETHEUS_DIR = REPO_ROOT / "deploy" / "prometheus"
 RULES_FILE = PROMETHEUS_DIR / "rules" / "triton.rules.yml"
