@@ -69,6 +69,7 @@ def test_swept_configs_are_the_repositorys_cpu_variants(repository):
     assert local_batching(repository, ONNX_MODEL, "throughput").max_batch_size == 32
 
 
+@pytest.mark.live
 def test_config_switch_is_what_the_server_loaded(tmp_path, repository):
     """--model-config-name=throughput really serves configs/throughput.pbtxt (read back from the server)."""
     config = config_on_free_ports(model_config_name="throughput", model_repository=repository.root)

@@ -18,7 +18,6 @@ import signal
 import socket
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,9 +121,13 @@ def test_the_cpu_default_reserves_no_gpu_and_builds_every_image_it_runs_but_graf
 
 
 @pytest.fixture(scope="module")
-def single(engine, images):
-    """`docker compose up --wait` of the default services (check-artifacts, triton) on free ports."""
-    project = new_project(engine, "single")
+def single(engine, images, tmp_path_factory):
+    """`docker compose up --wait` of the default services (check-artifacts, triton) on free ports, with
+    tritonserver's exit timeout at 15 s (the compose file's: 30 s) so that the stop under keep-alive load is
+    shorter (with 5 s, the unload under a flood of refusals outlasted it once: exit 1 after 13.3 s)."""
+    override = tmp_path_factory.mktemp("single") / "override.yaml"
+    override.write_text(yaml.safe_dump({"services": {"triton": {"command": ["--exit-timeout-s=15"]}}}))
+    project = new_project(engine, "single", extra_files=(override,))
     project.up_s = project.timed_up()
     print(f"\ncompose up --wait: healthy in {project.up_s:.1f} s", flush=True)
     yield project
@@ -191,12 +194,17 @@ def stop_under_load(project: ComposeProject, loads: dict[str, FleetLoad]) -> tup
 
 
 def test_stop_under_load_finishes_what_is_in_flight_refuses_the_rest_and_loses_nothing(single):
-    """gRPC clients (through the guard) and HTTP clients that close their connection after each request:
-    what was accepted is answered, what comes later is refused before it runs, the container exits 0."""
+    """gRPC clients (through the guard), HTTP clients that close their connection after each request, and
+    HTTP clients that keep it open (keep-alive: Triton 2.51 alone serves those through its whole exit timeout,
+    then abandons what it holds and exits 1, reproduced without a container in tests/test_lifecycle.py).
+    serve in the container unloads the models first: what was accepted is answered, what comes later is
+    refused before it runs, the container exits 0."""
     config = single.server_config()
-    loads = {"grpc": FleetLoad(config, "grpc", reference_answers(config, onnx_load(4)), workers=3, retry=False),
-             "http": FleetLoad(config, "http", reference_answers(config, onnx_load(4)), workers=3, retry=False,
-                               keep_alive=False)}
+    loads = {"grpc": FleetLoad(config, "grpc", reference_answers(config, onnx_load(4)), workers=2, retry=False),
+             "http": FleetLoad(config, "http", reference_answers(config, onnx_load(4)), workers=2, retry=False,
+                               keep_alive=False),
+             "http keep-alive": FleetLoad(config, "http", reference_answers(config, onnx_load(4)), workers=2,
+                                          retry=False)}
     stop_s, state, tallies, after = stop_under_load(single, loads)
     for name, tally in tallies.items():
         print(f"\ncompose stop under load ({name}): stopped in {stop_s:.1f} s, exit {state['ExitCode']}; "
@@ -207,32 +215,9 @@ def test_stop_under_load_finishes_what_is_in_flight_refuses_the_rest_and_loses_n
         assert set(tally.tries) <= {"answered", "unavailable", "refused"} or all(
             any(word in e for word in ("not ready", "stopping", "no available versions", "unavailable"))
             for e in tally.errors), tally.errors
+    assert set(tallies["http keep-alive"].tries) <= {"answered", "unavailable"}, tallies["http keep-alive"].errors
     assert state["Status"] == "exited" and state["ExitCode"] == 0, state
     assert stop_s < GRACE_S
-
-
-def test_stop_under_keep_alive_http_load_refuses_new_requests_and_abandons_nothing(engine, images, tmp_path):
-    """Clients that keep their HTTP connection open (keep-alive): Triton 2.51 alone serves them through its
-    whole exit timeout, then abandons what it holds and exits 1 (reproduced without a container in
-    tests/test_lifecycle.py). serve in the container unloads the models first: every request is answered
-    or refused before it ran, and the container exits 0. The exit timeout here is 5 s (the compose file's: 30 s)."""
-    override = tmp_path / "override.yaml"
-    override.write_text(yaml.safe_dump({"services": {"triton": {"command": ["--exit-timeout-s=5"]}}}))
-    project = new_project(engine, "keepalive", extra_files=(override,))
-    try:
-        project.timed_up()
-        config = project.server_config()
-        loads = {"http keep-alive": FleetLoad(config, "http", reference_answers(config, onnx_load(4)), workers=3,
-                                              retry=False)}
-        stop_s, state, tallies, after = stop_under_load(project, loads)
-        tally = tallies["http keep-alive"]
-        print(f"\ncompose stop under keep-alive HTTP load: stopped in {stop_s:.1f} s, exit {state['ExitCode']}; "
-              f"{after['http keep-alive']} answered after the stop began; {counts(tally)}", flush=True)
-        assert state["Status"] == "exited" and state["ExitCode"] == 0, state
-        assert set(tally.tries) <= {"answered", "unavailable"}, tally.errors  # refused before it ran
-        assert tally.lost == 0 and stop_s < GRACE_S
-    finally:
-        project.down()
 
 
 def test_down_leaves_no_container_network_or_volume(single):
@@ -278,32 +263,78 @@ def test_a_taken_port_is_named(engine, images):
         project.down()
 
 
-def test_fleet_replays_what_a_killed_replica_held_no_error_to_a_plain_client(engine, images):
-    project = new_project(engine, "fleet", profiles=("fleet",))
-    try:
-        up_s = project.timed_up("haproxy")
-        front = project.server_config()
-        assert ready(front.http_url)  # haproxy's health check: healthy once a replica serves through it
-        wait_for("HAProxy's gRPC backend serves", lambda: grpc_ready(front.grpc_url), 10, 0.1)
-        loads = {protocol: FleetLoad(front, protocol, reference_answers(front, load), workers=4, retry=False)
-                 for protocol, load in (("http", onnx_load(4)), ("grpc", ensemble_load()))}
-        for load in loads.values():
-            load.start()
-        time.sleep(3.0)
-        crash(project, "triton-2")
-        killed_at = time.monotonic()
-        wait_for("triton-2 restarted", lambda: project.restart_count("triton-2") >= 1, 30, 0.1)
-        wait_for("triton-2 ready again", lambda: ready_inside(project, "triton-2"), BACK_WITHIN_S, 0.3)
-        back_s = time.monotonic() - killed_at
+@pytest.fixture(scope="module")
+def fleet(engine, images):
+    """`docker compose --profile fleet` (three replicas behind HAProxy) on free ports, with model control
+    explicit so that its replicas can be swapped; shared by the replay and the swap tests, in that order."""
+    project = new_project(engine, "fleet", profiles=("fleet",), settings={"TRITON_MODEL_CONTROL": "explicit"})
+    project.up_s = project.timed_up("haproxy")
+    print(f"\ncompose fleet profile: up in {project.up_s:.1f} s", flush=True)
+    yield project
+    project.down()
+
+
+@pytest.mark.slow
+def test_fleet_replays_what_a_killed_replica_held_no_error_to_a_plain_client(fleet):
+    front = fleet.server_config()
+    assert ready(front.http_url)  # haproxy's health check: healthy once a replica serves through it
+    wait_for("HAProxy's gRPC backend serves", lambda: grpc_ready(front.grpc_url), 10, 0.1)
+    loads = {protocol: FleetLoad(front, protocol, reference_answers(front, load), workers=4, retry=False)
+             for protocol, load in (("http", onnx_load(4)), ("grpc", ensemble_load()))}
+    for load in loads.values():
+        load.start()
+    time.sleep(3.0)
+    crash(fleet, "triton-2")
+    killed_at = time.monotonic()
+    wait_for("triton-2 restarted", lambda: fleet.restart_count("triton-2") >= 1, 30, 0.1)
+    wait_for("triton-2 ready again", lambda: ready_inside(fleet, "triton-2"), BACK_WITHIN_S, 0.3)
+    back_s = time.monotonic() - killed_at
+    time.sleep(2.0)
+    for protocol, load in loads.items():
+        tally = load.stop()
+        print(f"\ncompose fleet, triton-2 killed ({protocol}, no retries): replica ready again {back_s:.1f} s "
+              f"after the kill; {counts(tally)}", flush=True)
+        assert tally.failed == 0 and tally.lost == 0, tally.errors
+        assert tally.answered == tally.sent - tally.refused > 0
+    assert ready_inside(fleet, "triton-1") and ready_inside(fleet, "triton-3")
+
+
+@pytest.mark.slow
+def test_the_fleet_swaps_each_replica_live_then_a_re_created_replica_fails_nothing(fleet):
+    """Each replica swapped live to `int8` (`docker compose exec triton-N resnet18-kit swap`), then one
+    replica re-created with a new TRITON_MODEL_CONFIG_NAME (what `up -d --no-deps` does to each replica in
+    turn), under load through HAProxy from clients that never retry. One re-created replica shows the
+    mechanism (HAProxy takes the stopping replica out, the others serve); the others would repeat it."""
+    front = fleet.server_config()
+    photos, tensors = ensemble_load(), onnx_load(4)  # answers change with the config: counts are measured
+
+    def under_load(action) -> tuple[list[Tally], float]:
+        loads = [FleetLoad(front, "http", photos, workers=1, retry=False, pause_s=0.002).start(),
+                 FleetLoad(front, "grpc", tensors, workers=2, retry=False, pause_s=0.002).start()]
         time.sleep(2.0)
-        for protocol, load in loads.items():
-            tally = load.stop()
-            print(f"\ncompose fleet, triton-2 killed ({protocol}, no retries): up in {up_s:.1f} s; replica ready "
-                  f"again {back_s:.1f} s after the kill; {counts(tally)}", flush=True)
-            assert tally.failed == 0 and tally.lost == 0, tally.errors
-            assert tally.answered == tally.sent - tally.refused > 0
-    finally:
-        project.down()
+        started = time.monotonic()
+        action()
+        took_s = time.monotonic() - started
+        time.sleep(2.0)
+        return [load.stop() for load in loads], took_s
+
+    def exec_swaps() -> None:
+        for replica in ("triton-1", "triton-2", "triton-3"):
+            fleet.run("exec", "-T", replica, "resnet18-kit", "--model-repository", "/models", "swap",
+                      "--url", "localhost:8001", "--model-config-name", "int8")
+
+    recreate = ComposeProject(fleet.engine, fleet.name, fleet.ports, ADMIN_KEY, profiles=("fleet",),
+                              settings={"TRITON_MODEL_CONTROL": "explicit", "TRITON_MODEL_CONFIG_NAME": "default"})
+    runs = {"swap each replica (exec) default -> int8": under_load(exec_swaps),
+            "re-create triton-1 int8 -> default": under_load(
+                lambda: recreate.run("up", "-d", "--wait", "--no-deps", "triton-1"))}
+    for name, (tallies, took_s) in runs.items():
+        print(f"\ncompose fleet, {name}: {took_s:.1f} s; "
+              + "; ".join(f"{p}: {counts(t)}" for p, t in zip(("http", "grpc"), tallies)), flush=True)
+    for tally in runs["swap each replica (exec) default -> int8"][0]:
+        assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), tally.errors
+    for tally in runs["re-create triton-1 int8 -> default"][0]:  # --no-refuse-first: HAProxy takes it out first
+        assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), tally.errors
 
 
 def test_monitoring_profile_scrapes_triton_and_the_queue_alert_fires(engine, images, tmp_path):

@@ -1,7 +1,8 @@
 """Swapping the config of docker compose's `triton` container, both ways (docs/model-repository.md "Swapping
 configs"): live, with `resnet18-kit swap` against its published gRPC port (TRITON_MODEL_CONTROL=explicit),
 and by re-creating it with a new TRITON_MODEL_CONFIG_NAME. Load runs throughout from clients that never
-retry; `pytest -s` prints the counts and times. The engine is conftest.py's `engine` fixture.
+retry; `pytest -s` prints the counts and times. The engine is conftest.py's `engine` fixture. The fleet
+profile's swaps, replica by replica, are in tests/test_compose_live.py (on its one fleet).
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from resnet18_kit.containers.compose import ComposePorts, ComposeProject
 from resnet18_kit.contract import ONNX_MODEL
@@ -44,6 +47,7 @@ def serving(config) -> str:
         return control.served_config(ONNX_MODEL).parameters["model_filename"].string_value
 
 
+@pytest.mark.slow
 def test_the_container_swaps_live_with_nothing_failed_and_a_re_create_costs_the_restart(engine, images, repository):
     project = ComposeProject(engine, f"r18test-swap-{os.getpid()}", ComposePorts.free(), KEY,
                              settings={"TRITON_MODEL_CONTROL": "explicit"})
@@ -87,50 +91,5 @@ def test_the_container_swaps_live_with_nothing_failed_and_a_re_create_costs_the_
               f"{counts(recreated)}", flush=True)
         assert serving(config) == "model.int8.onnx"
         assert recreated.lost == 0 and recreated.failed > 0  # the requests sent while it was down
-    finally:
-        project.down()
-
-
-def test_the_fleet_profile_swaps_replica_by_replica_both_ways_with_nothing_failed(engine, images):
-    """`docker compose --profile fleet`: each replica swapped live (`docker compose exec triton-N resnet18-kit
-    swap`), then re-created one after another with a new TRITON_MODEL_CONFIG_NAME, under load through
-    HAProxy from clients that never retry."""
-    settings = {"TRITON_MODEL_CONTROL": "explicit"}
-    project = ComposeProject(engine, f"r18test-swapfleet-{os.getpid()}", ComposePorts.free(), KEY,
-                             profiles=("fleet",), settings=settings)
-    replicas = ("triton-1", "triton-2", "triton-3")
-    try:
-        up_s = project.timed_up("haproxy")
-        config = project.server_config()
-        photos, tensors = ensemble_load(), onnx_load(4)  # answers change with the config: counts are measured
-
-        def under_load(action) -> tuple[list[Tally], float]:
-            loads = [FleetLoad(config, "http", photos, workers=1, retry=False, pause_s=0.002).start(),
-                     FleetLoad(config, "grpc", tensors, workers=2, retry=False, pause_s=0.002).start()]
-            time.sleep(2.0)
-            started = time.monotonic()
-            action()
-            took_s = time.monotonic() - started
-            time.sleep(2.0)
-            return [load.stop() for load in loads], took_s
-
-        def exec_swaps() -> None:
-            for replica in replicas:
-                project.run("exec", "-T", replica, "resnet18-kit", "--model-repository", "/models", "swap",
-                            "--url", "localhost:8001", "--model-config-name", "int8")
-
-        recreate = ComposeProject(engine, project.name, project.ports, KEY, profiles=("fleet",),
-                                  settings=settings | {"TRITON_MODEL_CONFIG_NAME": "default"})
-        runs = {"swap each replica (exec)": under_load(exec_swaps),
-                "re-create each replica": under_load(lambda: [recreate.run("up", "-d", "--wait", "--no-deps", r)
-                                                              for r in replicas])}
-        print(f"\ncompose fleet profile: up {up_s:.1f} s", flush=True)
-        for name, (tallies, took_s) in runs.items():
-            print(f"compose fleet, {name}, default <-> int8: {took_s:.1f} s; "
-                  + "; ".join(f"{p}: {counts(t)}" for p, t in zip(("http", "grpc"), tallies)), flush=True)
-        for tally in runs["swap each replica (exec)"][0]:
-            assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), tally.errors
-        for tally in runs["re-create each replica"][0]:  # --no-refuse-first: HAProxy takes a stopping replica out
-            assert (tally.failed, tally.lost) == (0, 0), tally.errors
     finally:
         project.down()

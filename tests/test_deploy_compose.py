@@ -10,7 +10,7 @@ build and mount, checked by real tools without starting anything (tests/test_com
 * Fleet: three replicas of `triton` behind HAProxy with deploy/haproxy/ (`haproxy -c` as mounted).
 
 Cross-checks with Kubernetes and the release's flags: tests/test_deploy_release.py. The tools are
-installed by scripts/setup_deploy_tools.sh (run by `make setup`); a missing tool fails.
+installed by scripts/setup_deploy_tools.sh (run by `make test`: `scripts/setup.sh test`); a missing tool fails.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from packaging.requirements import Requirement
 from resnet18_kit.contract import ALL_MODELS, PREPROCESS_MODEL, REPO_ROOT
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import config_parameters, instance_count, variant_config
-
 pytestmark = pytest.mark.deploy
 
 #: The shipped model repository of this checkout (what deployments carry).
@@ -45,7 +44,7 @@ DEFAULT_RELEASE, PARITY_RELEASE = "26.08", "24.10"
 IMAGE_PYTHON = {DEFAULT_RELEASE: "3.12", PARITY_RELEASE: "3.10"}
 ADMIN_KEY = "test-admin-key"
 VENV_BIN = Path(sys.executable).parent
-SETUP_HINT = "run scripts/setup_deploy_tools.sh (part of `make setup`)"
+SETUP_HINT = "run `scripts/setup.sh test` (what `make test` runs first)"
 COMPOSE_PARSERS = {
     "compose-1.29-debian": Path("/usr/bin/docker-compose"),
     "compose-2.40": VENV_BIN / "docker-compose-v2",

@@ -59,7 +59,7 @@ def kustomize(path: str) -> list[dict]:
     if path not in _rendered:
         kubectl = VENV_BIN / "kubectl"
         if not (kubectl.is_file() and os.access(kubectl, os.X_OK)):
-            pytest.fail(f"{kubectl} is missing: run `make setup`")
+            pytest.fail(f"{kubectl} is missing: run `scripts/setup.sh test` (what `make test` runs first)")
         result = run([str(kubectl), "kustomize", str(KUSTOMIZE_ROOT / path)])
         assert result.returncode == 0, result.stderr
         _rendered[path] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]

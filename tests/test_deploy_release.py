@@ -61,7 +61,7 @@ COMPOSE_PARSERS = {"compose-1.29-debian": Path("/usr/bin/docker-compose"),
 
 def tool(path: Path) -> str:
     if not (path.is_file() and os.access(path, os.X_OK)):
-        pytest.fail(f"{path} is missing: run scripts/setup_deploy_tools.sh (part of `make setup`)")
+        pytest.fail(f"{path} is missing: run `scripts/setup.sh test` (what `make test` runs first)")
     return str(path)
 
 

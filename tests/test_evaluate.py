@@ -121,6 +121,7 @@ def served(tmp_path_factory, repository):
         yield server
 
 
+@pytest.mark.live
 def test_end_to_end_default_against_itself(served, repository, tmp_path: Path, capsys) -> None:
     photos = sample_photos()
     with TritonClassifierClient(served.config.http_url, "http") as client:

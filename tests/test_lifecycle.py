@@ -44,6 +44,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("case", CASES)
 def test_fault_matrix_row(case, tmp_path):
     """Each row: serve ends as expected and in time, nothing accepted is lost, no process and no
@@ -71,10 +72,11 @@ def test_fault_matrix_row(case, tmp_path):
         assert result["exit_s"] < 3, result  # no drain
 
 
+@pytest.mark.live
 def test_make_serve_stopped_with_two_sigterms_never_hangs(tmp_path):
     """`kill -TERM -- -<pgid>` on `make serve`: make forwards its SIGTERM, so serve gets two. The
     documented figure (30+ rounds) comes from `resnet18-kit reliability run --scenario stops`."""
-    result = repeated_stops(tmp_path, repeat=3)
+    result = repeated_stops(tmp_path, repeat=2)
     print(f"\n{result}")
     assert result["hangs"] == 0 and result["serve_statuses"] == [0], result
     assert result["left_running"] == [] and result["shm_left"] == [], result
@@ -160,6 +162,7 @@ def test_region_removal_touches_only_its_own_prefix():
             path.unlink(missing_ok=True)
 
 
+@pytest.mark.live
 def test_a_server_killed_outright_leaves_no_shared_memory_after_stop(tmp_path):
     """tritonserver SIGKILLed: Triton leaves every stub's region; stop() removes those of its prefix."""
     config = config_on_free_ports(model_repository=repository_with([ECHO_MODEL], tmp_path / "repo"),
@@ -177,6 +180,7 @@ def test_a_server_killed_outright_leaves_no_shared_memory_after_stop(tmp_path):
     assert python_backend_regions(server.shm_prefix) == []
 
 
+@pytest.mark.live
 def test_sigterm_refuses_new_requests_on_an_open_http_connection_and_exits_once_it_closes(tmp_path):
     """serve's stop, as docs/reliability.md "Stopping" says: the models are unloaded first, so a request on
     an HTTP connection opened before SIGTERM is refused (404 "has no available versions": not run), a new
@@ -216,6 +220,7 @@ def test_sigterm_refuses_new_requests_on_an_open_http_connection_and_exits_once_
     assert status == 0 and exit_after_close_s < exit_timeout_s / 2, (status, exit_after_close_s)
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("refuse_first", [False, True], ids=["triton-2.51-alone", "kit"])
 def test_a_stop_under_keep_alive_http_load_abandons_nothing(tmp_path, refuse_first):
     """Triton 2.51 defect (docs/reliability.md "Stopping"): on SIGTERM it serves requests on open HTTP
@@ -263,6 +268,7 @@ def test_impossible_ports_are_refused_before_anything_starts(ports, message):
         check_ports_free(ServerConfig(http_port=http, grpc_port=grpc, metrics_port=metrics))
 
 
+@pytest.mark.live
 def test_a_batch_command_stopped_by_sigterm_stops_the_server_it_started(tmp_path):
     """`plan profile` (any command holding a tritonserver in a `with` block) gets SIGTERM while its server
     runs: it exits 143 with one line saying so, and its tritonserver, stubs and shared memory are gone

@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from resnet18_kit.tools.bench.model_analyzer import DEFAULT_VENV, VERSION, installed_version
 from resnet18_kit.server.resources import python_backend_regions
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 KIT = Path(sys.executable).parent / "resnet18-kit"
 

@@ -190,7 +190,7 @@ def triton(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prometheus(triton, tmp_path_factory):
     if not PROMETHEUS.is_file():
-        pytest.fail(f"{PROMETHEUS} is missing: run `make setup` (scripts/setup_deploy_tools.sh installs Prometheus)")
+        pytest.fail(f"{PROMETHEUS} is missing: run `scripts/setup.sh test` (it installs Prometheus)")
     server = Prometheus(tmp_path_factory.mktemp("prometheus"), triton.config.metrics_port)
     try:
         server.wait_until("prometheus scraping triton (up == 1)",

@@ -44,7 +44,7 @@ SHIPPED = ModelRepository(REPO_ROOT / "model_repository")
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
     if not PROMTOOL.is_file():
-        pytest.fail(f"{PROMTOOL} is missing: run `make setup` (scripts/setup_deploy_tools.sh installs Prometheus)")
+        pytest.fail(f"{PROMTOOL} is missing: run `scripts/setup.sh test` (it installs Prometheus)")
     return subprocess.run([str(PROMTOOL), *args], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
 
 

@@ -23,6 +23,8 @@ from resnet18_kit.server.config import config_on_free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 
+pytestmark = pytest.mark.live
+
 FAST = SupervisorPolicy(poll_interval_s=0.2, restart_drain_s=2.0, ready_timeout_s=120.0)
 STUB_DEAD = "is not healthy"
 

@@ -68,6 +68,7 @@ def test_wider_bind_with_a_key_warns_and_restricts_the_admin_apis(capsys, settin
         f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("model_control", ["explicit", "none"])
 def test_restricted_apis_refuse_requests_without_the_key_and_serve_those_with_it(tmp_path, model_control):
     """With model control "none" the user's key opens every restricted API but model control."""

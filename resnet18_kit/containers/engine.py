@@ -113,8 +113,8 @@ class PrivateEngine:
             return self.engine
         binary = shutil.which("dockerd") or ("/usr/sbin/dockerd" if Path("/usr/sbin/dockerd").exists() else None)
         if binary is None:
-            raise EngineError("no Docker engine answers and dockerd is not installed: run `make setup` as root "
-                              "(installs Debian's docker.io), or set DOCKER_HOST to an engine")
+            raise EngineError("no Docker engine answers and dockerd is not installed: run `scripts/setup.sh image` "
+                              "as root (installs Debian's docker.io), or set DOCKER_HOST to an engine")
         if os.geteuid() != 0:
             raise EngineError("no Docker engine answers, and a private dockerd needs root: start Docker, or set "
                               "DOCKER_HOST to an engine you can use")

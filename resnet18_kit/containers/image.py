@@ -116,7 +116,7 @@ class ImageBuild:
     def debootstrap_base(self) -> None:
         """debootstrap a Debian 12 minbase with LOCAL_BASE_PACKAGES and import it as LOCAL_BASE_IMAGE."""
         if shutil.which("debootstrap") is None:
-            raise EngineError("no base image: debootstrap is not installed (make setup installs it as root)")
+            raise EngineError("no base image: debootstrap is not installed (`scripts/setup.sh image` installs it as root)")
         with tempfile.TemporaryDirectory(dir=self.build_dir, prefix="rootfs-") as rootfs:
             result = subprocess.run(
                 ["debootstrap", "--variant=minbase", f"--include={','.join(LOCAL_BASE_PACKAGES)}", "bookworm",
