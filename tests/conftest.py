@@ -45,8 +45,9 @@ def pytest_collection_modifyitems(items):
 
 
 class ServerWatch(threading.Thread):
-    """Notes, every POLL_S, each new process named in PROGRAMS (read from /proc/*/comm) and the test that
-    was running when it appeared: a test that starts one must be marked live, docker or deploy."""
+    """Notes, every POLL_S, each new process named in PROGRAMS (read from /proc/*/comm) under this pytest
+    process and the test that was running when it appeared: a test that starts one must be marked live,
+    docker or deploy."""
 
     PROGRAMS = ("tritonserver", "dockerd", "haproxy", "prometheus")
     POLL_S = 0.25
@@ -60,6 +61,8 @@ class ServerWatch(threading.Thread):
 
     @classmethod
     def servers(cls) -> dict[int, str]:
+        """pid -> program of the PROGRAMS running under this pytest process (servers of other programs on
+        the machine, e.g. a `make serve` in another terminal, are not the suite's)."""
         found = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
@@ -67,9 +70,23 @@ class ServerWatch(threading.Thread):
                     comm = (entry / "comm").read_text().strip()
                 except OSError:
                     continue
-                if comm in cls.PROGRAMS:
+                if comm in cls.PROGRAMS and cls.descends_from_us(int(entry.name)):
                     found[int(entry.name)] = comm
         return found
+
+    @staticmethod
+    def descends_from_us(pid: int) -> bool:
+        """True when this pytest process is an ancestor of `pid` (the ppid chain in /proc/<pid>/stat)."""
+        ours = os.getpid()
+        while pid > 1:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                pid = int(stat[stat.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):  # exited while we looked
+                return False
+            if pid == ours:
+                return True
+        return False
 
     def run(self) -> None:
         while not self.stopping.wait(self.POLL_S):
