@@ -146,7 +146,7 @@ def test_an_unknown_model_config_name_is_one_line_with_the_known_names(tmp_path,
     assert result.returncode == 2, result
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--model-config-name nosuch: no model in" in lines[0], result.stderr
-    assert "known names: default, gpu, int8, latency" in lines[0], lines
+    assert "known names: default, gpu, gpu_python, int8, latency" in lines[0], lines
 
 
 def test_region_removal_touches_only_its_own_prefix():

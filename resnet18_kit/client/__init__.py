@@ -12,15 +12,25 @@ arguments; their answers are Prediction rows; their failures are the InferenceEr
 RetryPolicy sets their backoff after a queue-full refusal and their default deadline. docs/usage.md
 "Python API" walks through them.
 """
-from resnet18_kit.client.async_client import AsyncTritonClassifierClient
-from resnet18_kit.client.backoff import RetryPolicy
-from resnet18_kit.client.core import Prediction
-from resnet18_kit.client.errors import (DeadlineExceededError, InferenceError, InvalidInputError, ModelNotFoundError,
-                                        NotTritonError, QueueFullError, RequestCancelledError, ServerUnavailableError)
-from resnet18_kit.client.sync_client import TritonClassifierClient
+import importlib
 
-__all__ = [
-    "TritonClassifierClient", "AsyncTritonClassifierClient", "Prediction", "RetryPolicy",
-    "InferenceError", "InvalidInputError", "ModelNotFoundError", "QueueFullError", "DeadlineExceededError",
-    "RequestCancelledError", "ServerUnavailableError", "NotTritonError",
-]
+#: Each public name -> the module of this package that defines it, imported on first use (__getattr__), so
+#: that importing a module of its own (client.samples: the sample photos) needs no tritonclient.
+_EXPORTS = {
+    "TritonClassifierClient": "sync_client", "AsyncTritonClassifierClient": "async_client", "Prediction": "core",
+    "RetryPolicy": "backoff", **{name: "errors" for name in (
+        "InferenceError", "InvalidInputError", "ModelNotFoundError", "QueueFullError", "DeadlineExceededError",
+        "RequestCancelledError", "ServerUnavailableError", "NotTritonError")},
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """A public name (_EXPORTS), imported from its module on first use; AttributeError for another."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

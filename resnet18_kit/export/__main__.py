@@ -109,21 +109,23 @@ def provenance(repository: ModelRepository, source: r18.WeightsSource, diffs: di
 
 
 def record_weights_in_ensemble_config(repository: ModelRepository, meaningful: bool) -> None:
-    """Set the ensemble config's parameter `weights_meaningful` ("true" / "false") to what this export
-    wrote, so that a client asking the server (client.core: the served config's parameters) can say when
-    the labels come from random weights. The committed config says "false", what an export without
-    downloadable weights writes, so the file changes only for an export of trained weights."""
-    path = repository.config_path(ENSEMBLE_MODEL)
-    text = path.read_text()
+    """Set the parameter `weights_meaningful` ("true" / "false") of the ensemble's configs (config.pbtxt
+    and each configs/<variant>.pbtxt) to what this export wrote, so that a client asking the server
+    (client.core: the served config's parameters) can say when the labels come from random weights. The
+    committed configs say "false", what an export without downloadable weights writes, so the files change
+    only for an export of trained weights."""
     value = "true" if meaningful else "false"
     pattern = re.compile(r'(key: "weights_meaningful"\s*value: \{\s*string_value: ")(true|false)(")')
-    if pattern.search(text):
-        updated = pattern.sub(rf"\g<1>{value}\g<3>", text)
-    else:
-        updated = text.replace('platform: "ensemble"\n', 'platform: "ensemble"\n'
-                               f'parameters {{ key: "weights_meaningful" value: {{ string_value: "{value}" }} }}\n', 1)
-    if updated != text:
-        path.write_text(updated)
+    parameter = f'parameters {{ key: "weights_meaningful" value: {{ string_value: "{value}" }} }}\n'
+    for variant in repository.variant_names(ENSEMBLE_MODEL):
+        path = repository.config_path(ENSEMBLE_MODEL, variant)
+        text = path.read_text()
+        if pattern.search(text):
+            updated = pattern.sub(rf"\g<1>{value}\g<3>", text)
+        else:
+            updated = text.replace('platform: "ensemble"\n', 'platform: "ensemble"\n' + parameter, 1)
+        if updated != text:
+            path.write_text(updated)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

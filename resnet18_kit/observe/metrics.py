@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
 
 def _families(metrics_url: str, timeout_s: float):
+    from prometheus_client.parser import text_string_to_metric_families  # only where metrics are read
+
     with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
         return list(text_string_to_metric_families(response.read().decode()))
 

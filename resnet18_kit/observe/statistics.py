@@ -8,22 +8,23 @@
 """
 from __future__ import annotations
 
+import json
 import threading
-
-import tritonclient.http as httpclient
+import urllib.parse
+import urllib.request
 
 from resnet18_kit.observe.metrics import server_gauge
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
 
 
-def model_statistics(http_url: str, model: str) -> dict:
-    """The statistics extension's record of `model` (all versions summed by Triton's version field)."""
-    client = httpclient.InferenceServerClient(http_url)
-    try:
-        return client.get_inference_statistics(model)["model_stats"][0]
-    finally:
-        client.close()
+def model_statistics(http_url: str, model: str, timeout_s: float = 60.0) -> dict:
+    """The statistics extension's record of `model` at the server `http_url` (host:port): the JSON of
+    GET /v2/models/<model>/stats, its first (only) entry of "model_stats", read with the standard library.
+    Raises urllib.error.HTTPError for an unknown model (400), OSError when the server does not answer."""
+    url = f"http://{http_url}/v2/models/{urllib.parse.quote(model)}/stats"
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.load(response)["model_stats"][0]
 
 
 def statistics_delta(before: dict, after: dict) -> dict:

@@ -35,6 +35,9 @@ class ServerConfig:
     metrics_port: int = DEFAULT_PORTS["metrics"]
     #: Load <model>/configs/<name>.pbtxt instead of config.pbtxt where it exists (e.g. "gpu").
     model_config_name: str | None = None
+    #: Where the Python backend's folder (--backend-directory) is put together from the nvidia-pytriton
+    #: found on sys.path (server.embedded.backend_directory); None: <sys.prefix>/triton-backends.
+    backend_root: Path | None = None
     #: On SIGTERM: seconds for open HTTP connections and in-flight requests (docs/reliability.md "Stopping").
     exit_timeout_s: int = 30
     #: Each stub's first shared-memory region: a batch of 16 FP32 images (9.6 MB) and its logits fit in it.

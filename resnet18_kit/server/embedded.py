@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -71,10 +72,12 @@ def library_path() -> str:
     return os.pathsep.join([str(d) for d in dirs if d.is_dir()] + ([existing] if existing else []))
 
 
-def backend_directory() -> Path:
-    """Build (once) <venv>/triton-backends/python with the backend library and this Python's stub."""
+def backend_directory(target: Path | None = None) -> Path:
+    """Build (once) `target`/python (default target: <venv>/triton-backends) with the backend library and
+    this Python's stub, from the nvidia-pytriton found on sys.path; returns `target`. RuntimeError when
+    that nvidia-pytriton has no stub for this Python."""
     source = _pytriton_dir() / "tritonserver"
-    target = Path(sys.prefix) / "triton-backends"
+    target = Path(sys.prefix) / "triton-backends" if target is None else Path(target)
     python_dir = target / "python"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = source / "python_backend_stubs" / version / "triton_python_backend_stub"
@@ -114,7 +117,7 @@ def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PR
         str(tritonserver_binary()),
         *(f"--model-repository={repository}"
           for repository in (config.model_repository, *config.extra_model_repositories)),
-        f"--backend-directory={backend_directory()}",
+        f"--backend-directory={backend_directory(config.backend_root)}",
         f"--http-address={config.host}", f"--http-port={config.http_port}",
         *((f"--grpc-address={config.host}", f"--grpc-port={config.grpc_port}") if config.triton_grpc_port is None
           else (f"--grpc-address={DEFAULT_HOST}", f"--grpc-port={config.triton_grpc_port}")),
@@ -151,6 +154,16 @@ def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PR
         restriction = f"{','.join(apis)}:{ADMIN_HEADER}={key}"
         cmd += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
     return cmd + list(config.extra_args)
+
+
+def answers_ready(http_url: str, timeout_s: float = 2.0) -> bool:
+    """True when GET http://`http_url`/v2/health/ready answers 200 within `timeout_s` seconds (the standard
+    library's HTTP client: no tritonclient needed to start a server); False for any other answer or none."""
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=timeout_s) as response:
+            return response.status == 200
+    except (OSError, ValueError):  # not listening yet, 400 while not ready (HTTPError), a reset
+        return False
 
 
 class EmbeddedTritonServer:
@@ -234,26 +247,17 @@ class EmbeddedTritonServer:
     def wait_ready(self, timeout_s: float, cancelled: Callable[[], bool] | None = None) -> None:
         """Poll every 0.25 s, up to `timeout_s` seconds, until /v2/health/ready answers 200 and the HTTP
         port's listening socket is this server's (serves_http_port); errors as in start()."""
-        import tritonclient.http as httpclient
-
-        client = httpclient.InferenceServerClient(self.config.http_url, connection_timeout=2.0)
         deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                if cancelled is not None and cancelled():
-                    raise StartCancelled("stop requested before the server was ready")
-                if self.process.poll() is not None:
-                    raise ConfigurationError(
-                        f"tritonserver exited with status {self.process.returncode} before ready: "
-                        f"{first_error_line(self.log_path)}")
-                try:
-                    if self.serves_http_port() and client.is_server_ready():
-                        return
-                except Exception:  # not listening yet
-                    pass
-                time.sleep(0.25)
-        finally:
-            client.close()
+        while time.monotonic() < deadline:
+            if cancelled is not None and cancelled():
+                raise StartCancelled("stop requested before the server was ready")
+            if self.process.poll() is not None:
+                raise ConfigurationError(
+                    f"tritonserver exited with status {self.process.returncode} before ready: "
+                    f"{first_error_line(self.log_path)}")
+            if self.serves_http_port() and answers_ready(self.config.http_url):
+                return
+            time.sleep(0.25)
         raise ServerStartError(f"tritonserver not ready after {timeout_s:.0f} s{log_tail(self.log_path)}")
 
     def serves_http_port(self) -> bool:

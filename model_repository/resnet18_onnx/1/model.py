@@ -3,7 +3,9 @@
 
 Shared by `resnet18_onnx` (model.onnx or model.int8.onnx, run by ONNX Runtime or OpenVINO) and
 `resnet18_torchscript` (model.pt, run by TorchScript): `resnet18_torchscript/1/model.py` is a link to this
-file. The config's parameters name the file, the runtime and its threads (runtimes.py, beside this file).
+file. The config's parameters name the file, the runtime and its threads (runtimes.py, beside this file);
+an instance of kind KIND_GPU runs the network on its GPU (torchscript only:
+resnet18_torchscript/configs/gpu_python.pbtxt).
 
 execute() stacks the inputs of every request the dynamic batcher handed over into one batch, runs the
 network once, and splits the outputs back per request. If the stacked run fails, each request is run
@@ -37,7 +39,8 @@ class TritonPythonModel:
         self.outputs = [(output["name"], runtimes.OUTPUT_NAMES.index(output["name"]),
                          pb_utils.triton_string_to_numpy(output["data_type"])) for output in config["output"]]
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
-        spec = runtimes.RuntimeSpec.from_parameters(params, Path(args["model_repository"]) / args["model_version"])
+        spec = runtimes.RuntimeSpec.from_parameters(params, Path(args["model_repository"]) / args["model_version"],
+                                                    device=runtimes.instance_device(args))
         self.run = runtimes.load(spec)
         self.cancellation = Cancellation.from_environment()
 

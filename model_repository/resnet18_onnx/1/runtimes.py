@@ -9,7 +9,8 @@ the in-process figures are the served code's.
   openvino     the same ONNX files compiled by OpenVINO for "CPU": `precision` "f32" or "bf16" (its
                INFERENCE_PRECISION_HINT; on a CPU with AVX-512 BF16 OpenVINO's own default is bf16) for
                the layers that are not INT8;
-  torchscript  model.pt, torch.jit on the CPU.
+  torchscript  model.pt, torch.jit on the CPU, or on a GPU for a model instance of kind KIND_GPU (its
+               device: `instance_device`; batches are copied to it and the outputs back).
 
 Config parameters (all string values): model_filename; runtime (default: onnxruntime for .onnx,
 torchscript for .pt); intra_op_threads (0 = one thread per usable core); allow_spinning ("1"/"0", ONNX
@@ -46,28 +47,41 @@ _DEFAULT_RUNTIME = {".onnx": "onnxruntime", ".pt": "torchscript"}
 
 @dataclass(frozen=True)
 class RuntimeSpec:
-    """How to run one exported file. threads: intra-op threads, 0 = one per core."""
+    """How to run one exported file. threads: intra-op threads, 0 = one per core. device: "cpu", or
+    "cuda:<index>" (torchscript only)."""
 
     path: Path
     runtime: str = "onnxruntime"
     threads: int = 0
     allow_spinning: bool = True
     precision: str = "f32"
+    device: str = "cpu"
 
     @classmethod
-    def from_parameters(cls, params: dict[str, str], version_dir: Path) -> "RuntimeSpec":
+    def from_parameters(cls, params: dict[str, str], version_dir: Path, device: str = "cpu") -> "RuntimeSpec":
         """The spec a model config's `parameters` (key -> string value) describe, for the file in
-        `version_dir`. Raises ValueError naming an unknown runtime or precision."""
+        `version_dir`, run on `device` (`instance_device`). Raises ValueError naming an unknown runtime or
+        precision, or a runtime that runs on the CPU only given a GPU."""
         path = Path(version_dir) / params["model_filename"]
         spec = cls(path=path, runtime=params.get("runtime", _DEFAULT_RUNTIME.get(path.suffix, "")),
                    threads=int(params.get("intra_op_threads", "0")),
                    allow_spinning=params.get("allow_spinning", "1") != "0",
-                   precision=params.get("precision", "f32"))
+                   precision=params.get("precision", "f32"), device=device)
         if spec.runtime not in RUNTIMES:
             raise ValueError(f"unknown runtime {spec.runtime!r} for {path.name} (one of {', '.join(RUNTIMES)})")
         if spec.precision not in ("f32", "bf16"):
             raise ValueError(f"unknown precision {spec.precision!r} (f32 or bf16)")
+        if spec.device != "cpu" and spec.runtime != "torchscript":
+            raise ValueError(f"runtime {spec.runtime} runs on the CPU only; a KIND_GPU instance needs torchscript")
         return spec
+
+
+def instance_device(args: dict) -> str:
+    """The device of the model instance Triton's Python backend describes in `args` (initialize()'s):
+    "cuda:<model_instance_device_id>" for an instance of kind KIND_GPU, else "cpu"."""
+    if args.get("model_instance_kind") == "GPU":
+        return f"cuda:{int(args.get('model_instance_device_id', 0))}"
+    return "cpu"
 
 
 def load(spec: RuntimeSpec) -> Runner:
@@ -144,7 +158,14 @@ def _torchscript(spec: RuntimeSpec) -> Runner:
     # torch's intra-op thread count is one setting per process: each run sets its own, so two runners
     # with different counts in one process (in-process comparisons) do not change each other's.
     threads = spec.threads or usable_cores()
-    module = torch.jit.load(str(spec.path), map_location="cpu").eval()
+    module = torch.jit.load(str(spec.path), map_location=spec.device).eval()
+    if spec.device != "cpu":
+        device = torch.device(spec.device)
+
+        def run_on_gpu(batch: np.ndarray) -> list:  # the batch to the GPU, the outputs back to the host
+            with torch.inference_mode():
+                return [tensor.cpu().numpy() for tensor in module(torch.from_numpy(batch).to(device))]
+        return run_on_gpu
 
     def run(batch: np.ndarray) -> list:
         torch.set_num_threads(threads)

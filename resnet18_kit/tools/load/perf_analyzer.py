@@ -267,11 +267,11 @@ def latency_stats_us(profile_path: Path) -> dict[float, dict[str, float]]:
 
 
 def command(model: str, url: str, protocol: str, load: LoadSpec, level: float, out_dir: Path,
-            metrics_url: str | None = None, count: int = 0) -> list[str]:
-    """The perf_analyzer command line for one `level` of `load` (a list of arguments, no shell):
-    stabilized time windows, or exactly `count` requests when count > 0."""
+            metrics_url: str | None = None, count: int = 0, binary: Path | None = None) -> list[str]:
+    """The perf_analyzer command line for one `level` of `load` (a list of arguments, no shell): stabilized
+    time windows, or exactly `count` requests when count > 0; `binary` default perf_analyzer_binary()."""
     flag = "--concurrency-range" if load.mode == "concurrency" else "--request-rate-range"
-    cmd = [str(perf_analyzer_binary()), "-m", model, "-u", url, "-i", protocol,
+    cmd = [str(binary or perf_analyzer_binary()), "-m", model, "-u", url, "-i", protocol,
            "-f", str(out_dir / "perf.csv"), "--verbose-csv"]
     if load.profile_export:
         cmd += ["--profile-export-file", str(out_dir / "profile.json")]
@@ -370,11 +370,12 @@ class PerfAnalyzerError(RuntimeError):
 
 
 def run_level(model: str, url: str, protocol: str, load: LoadSpec, level: float, out_dir: Path,
-              metrics_url: str | None = None, timeout_s: float = 900.0, export_attempts: int = 1) -> PerfRow:
+              metrics_url: str | None = None, timeout_s: float = 900.0, export_attempts: int = 1,
+              binary: Path | None = None) -> PerfRow:
     """One perf_analyzer process measuring `model` at `url` ("host:port") over `protocol` ("grpc" or
     "http") at one load level (a concurrency or a request rate). Writes its files into `out_dir`.
     export_attempts: runs in all while the profile export comes back empty (EMPTY_EXPORT_ATTEMPTS for
-    callers that need the per-request data; the bench only takes latency mean/std from it).
+    callers that need the per-request data; the bench only takes latency mean/std from it). binary: as command().
 
     Returns the level's PerfRow with profile.json's latency statistics merged in. Raises
     PerfAnalyzerError when perf_analyzer fails (after the fallback to a request count, see above).
@@ -383,7 +384,7 @@ def run_level(model: str, url: str, protocol: str, load: LoadSpec, level: float,
     env = perf_analyzer_env()
     log_path = out_dir / "perf_analyzer.log"
     for count in ((load.request_count,) if load.request_count else (0, load.fallback_request_count)):
-        cmd = command(model, url, protocol, load, level, out_dir, metrics_url, count)
+        cmd = command(model, url, protocol, load, level, out_dir, metrics_url, count, binary)
         (out_dir / "command.txt").write_text(" ".join(cmd) + "\n")
         result = run_perf_analyzer(cmd, out_dir, timeout_s, hang_s=HANG_S if count else None, env=env,
                                    export_attempts=export_attempts)

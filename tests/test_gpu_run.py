@@ -1,0 +1,136 @@
+"""The GPU run, prepared here on the CPU: `resnet18-kit bench gpu-pack` writes a bundle under its size limit
+holding what the run needs (tritonserver, the 3.12 stub, perf_analyzer and libb64, the package, the model
+repository without exports, the photos), and `bench gpu --dry-run` runs every step from that bundle with
+only the Python packages a GPU machine has, so the run there does not fail on a missing module or a typo."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from tritonclient.grpc import model_config_pb2
+
+from resnet18_kit.client.samples import SAMPLE_PHOTO_NAMES
+from resnet18_kit.contract import TORCHSCRIPT_MODEL
+from resnet18_kit.observe.model_config import ModelConfigView
+from resnet18_kit.tools.bench.gpu_pack import BUNDLE_NAME, GPU_PYTHON, GPU_VARIANT, GROUPS, MANIFEST, MiB
+from resnet18_kit.tools.bench.gpu_run import STEPS
+from resnet18_kit.tools.bench.gpu_steps import GPU_MAX_BATCH_SIZE, TENSOR_LEVELS
+
+BIN = Path(sys.executable).parent
+#: What the GPU machine's python3 has (besides the standard library), with what these require.
+GPU_MACHINE_PACKAGES = ("torch", "torchvision", "onnx", "onnxruntime", "numpy", "pillow", "grpcio", "protobuf")
+LIMIT_MIB = 64
+
+
+def kit(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "resnet18-kit"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> tuple[Path, str]:
+    """The bundle (xz preset 0: the fastest to write) and what the packer printed."""
+    out = tmp_path_factory.mktemp("gpu-pack")
+    result = kit("bench", "gpu-pack", "--out", str(out), "--xz-preset", "0", "--limit-mib", str(LIMIT_MIB), cwd=out)
+    assert result.returncode == 0, result.stderr
+    return out / BUNDLE_NAME, result.stdout
+
+
+def gpu_machine_site(folder: Path) -> Path:
+    """A folder of links to the installed GPU_MACHINE_PACKAGES and what they require, nothing else."""
+    folder.mkdir()
+    todo, seen = list(GPU_MACHINE_PACKAGES), set()
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+        try:
+            distribution = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [re.split(r"[\s\[<>=!~;(]", r, maxsplit=1)[0] for r in distribution.requires or [] if "extra ==" not in r]
+        for top in {Path(str(f)).parts[0] for f in distribution.files or [] if not str(f).startswith("..")}:
+            if not (folder / top).exists():
+                (folder / top).symlink_to(distribution.locate_file(top))
+    return folder
+
+
+def test_the_bundle_fits_its_limit_and_holds_what_the_run_needs(packed):
+    bundle, printed = packed
+    size_mib = bundle.stat().st_size / MiB
+    assert size_mib <= LIMIT_MIB and f"{BUNDLE_NAME}: {size_mib:.1f} MiB (limit {LIMIT_MIB} MiB)" in printed
+    assert all(group in printed for group in GROUPS), printed
+    with zipfile.ZipFile(bundle) as archive:
+        zipped, manifest = archive.namelist(), json.loads(archive.read(MANIFEST))
+    files = manifest["files"]
+    assert {f"site/pytriton/tritonserver/python_backend_stubs/{GPU_PYTHON}/triton_python_backend_stub",
+            "site/pytriton/tritonserver/bin/tritonserver", "site/pytriton/tritonserver/backends/python/libtriton_python.so",
+            "bin/perf_analyzer", "lib/libb64.so.0d", "lib/libcudart.so.12"} <= set(files)
+    assert any(name.startswith("site/nvidia_pytriton.libs/libtritonserver") for name in files)
+    assert not [name for name in files if "libpython" in name or "tritonclient" in name]
+    assert {"__main__.py", "resnet18_kit/cli.py", "resnet18_kit/tools/bench/gpu_run.py", "tqdm/__init__.py"} <= set(zipped)
+    repository = [name for name in files if name.startswith("model_repository/")]
+    assert f"model_repository/{TORCHSCRIPT_MODEL}/configs/{GPU_VARIANT}.pbtxt" in repository
+    assert f"model_repository/resnet18/configs/{GPU_VARIANT}.pbtxt" in repository
+    assert not [name for name in repository if name.endswith((".onnx", ".pt")) or "provenance" in name
+                or "warmup" in name or "resnet18_onnx" in name]
+    assert sorted(Path(photo).name for photo in manifest["photos"]) == sorted(SAMPLE_PHOTO_NAMES)
+
+
+def test_a_bundle_over_its_limit_is_refused_in_one_line_and_leaves_nothing(tmp_path):
+    result = kit("bench", "gpu-pack", "--out", str(tmp_path), "--xz-preset", "0", "--limit-mib", "1", cwd=tmp_path)
+    assert result.returncode == 2 and "over the limit of 1 MiB" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("content, message", [(None, "no such file"), (b"not a zip", "not a zip application")])
+def test_a_bad_bundle_is_one_line(tmp_path, content, message):
+    bundle = tmp_path / "bundle.pyz"
+    if content is not None:
+        bundle.write_bytes(content)
+    result = kit("bench", "gpu", "--bundle", str(bundle), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1, \
+        result.stderr
+
+
+def test_the_tensor_levels_fit_the_gpu_variant(repository):
+    """Up to 2 x max_batch_size x instances (Triton's rule of thumb for saturation), within the queue."""
+    view = ModelConfigView.for_variant(repository, TORCHSCRIPT_MODEL, GPU_VARIANT)
+    instances = sum(group.count for group in view.proto.instance_group)
+    assert view.max_batch_size == GPU_MAX_BATCH_SIZE
+    assert [group.kind for group in view.proto.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+    assert max(TENSOR_LEVELS) == min(2 * view.max_batch_size * instances, view.max_queue_size)
+
+
+@pytest.mark.live
+def test_the_dry_run_runs_every_step_from_the_bundle_with_a_gpu_machines_packages(packed, tmp_path):
+    bundle, _ = packed
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(gpu_machine_site(tmp_path / "site")))
+    result = subprocess.run([sys.executable, "-S", str(bundle), "--out", str(out), "--dry-run"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert (out / "gpu.json").is_file(), result.stderr[-3000:]
+    record = json.loads((out / "gpu.json").read_text())
+    steps = [(step["name"], step["status"]) for step in record["steps"]]
+    assert steps == [(name, "skipped" if name == "inprocess" else "ok") for name, _ in STEPS], \
+        (record["steps"], result.stderr[-3000:])
+    assert result.returncode == 0 and record["dry_run"] and not record["problems"]
+    assert record["serve"]["instance_group"][0]["kind"] == "KIND_CPU"
+    assert all(level["infer_per_s"] > 0 for level in record["tensors"]["levels"] + record["main_job"]["levels"])
+    assert record["headline"]["main_job_bound_by"] and record["headline"]["served_infer_per_s"] > 0
+    assert record["environment"]["ldd"]["perf_analyzer"]["libb64.so.0d"].startswith(record["unpack"]["work"])
+    assert record["stop"] == {"exit_status": 0, "shm_regions_left": 0}
+    assert not Path(record["unpack"]["work"]).exists()  # the temporary work folder is removed
+    assert {path.name for path in out.iterdir()} == {"gpu.json", "summary.md", "run.log", "tritonserver.log"}
+    summary = (out / "summary.md").read_text()
+    assert "| main_job | ok |" in summary and "Bound by: " in summary
+    log = (out / "run.log").read_text()
+    assert all(re.search(rf"^\d{{4}}-\d\d-\d\dT[\d:]+Z INFO \[{name}\] (started|skipped)", log, re.M) for name, _ in STEPS)
