@@ -89,7 +89,11 @@ def test_the_container_swaps_live_with_nothing_failed_and_a_re_create_costs_the_
         recreated = loads[0].stop()
         print(f"compose, re-create with TRITON_MODEL_CONFIG_NAME=int8: up --wait {recreate_s:.1f} s; grpc: "
               f"{counts(recreated)}", flush=True)
-        assert serving(config) == "model.int8.onnx"
+        try:
+            assert serving(config) == "model.int8.onnx"
+        except Exception:
+            print(engine.docker("logs", "--tail", "80", project.container("triton")).stdout, flush=True)
+            raise
         assert recreated.lost == 0 and recreated.failed > 0  # the requests sent while it was down
     finally:
         project.down()

@@ -64,8 +64,15 @@ SERVICE = "inference.GRPCInferenceService"
 #: Message sizes are Triton's business (an encoded image may be 20 MB): no limit here (gRPC's default
 #: receive limit is 4 MiB). SO_REUSEPORT off, so that a second listener on the port fails to bind
 #: instead of silently sharing it.
-CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1))
-SERVER_OPTIONS = CHANNEL_OPTIONS + (("grpc.so_reuseport", 0),)
+MESSAGE_OPTIONS = (("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1))
+SERVER_OPTIONS = MESSAGE_OPTIONS + (("grpc.so_reuseport", 0),)
+#: The channel to tritonserver retries a refused connection every 0.1-0.5 s. gRPC's default backoff (1 s,
+#: x1.6 per try, up to 120 s) is for remote servers: the guard listens while tritonserver loads, and a
+#: client calling then pushed the next try 15-40 s past the moment tritonserver listened (after a start, a
+#: container re-create or a supervisor restart), every call in between failing with UNAVAILABLE.
+CHANNEL_OPTIONS = MESSAGE_OPTIONS + (("grpc.initial_reconnect_backoff_ms", 100),
+                                     ("grpc.min_reconnect_backoff_ms", 100),
+                                     ("grpc.max_reconnect_backoff_ms", 500))
 #: Metadata keys that belong to the client's own connection and are not forwarded.
 HOP_BY_HOP = ("user-agent",)
 
