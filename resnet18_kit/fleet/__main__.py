@@ -23,7 +23,8 @@ and then every replica (each drains for up to --exit-timeout-s, default 10 s her
 nothing.
 
 Files under <results>/fleet/: servers.cfg (the servers HAProxy reads after the policy file), haproxy.log,
-replicaN-tritonserver.log, haproxy.sock (HAProxy's runtime API: `echo "show stat" | socat - haproxy.sock`).
+replicaN-tritonserver.log, haproxy.sock (HAProxy's runtime API: `echo "show stat" | socat - haproxy.sock`;
+under a results path too long for a UNIX socket, /tmp/resnet18-kit-haproxy-<hash>.sock instead).
 
 Exit status: 0 after a clean stop; 1 when a replica cannot be kept running or a stop was cut short; 2
 for a bad setting, a taken port, HAProxy missing or refusing its configuration (`haproxy -c`), a replica
@@ -86,7 +87,7 @@ def fleet_config(settings: Settings, args: argparse.Namespace):
     """The FleetConfig of the parsed options (replicas from --replica-base-port, front ends on --host with
     --http-port and --grpc-port). ConfigurationError for impossible numbers."""
     from resnet18_kit.fleet.fleet import FleetConfig, replica_configs
-    from resnet18_kit.fleet.haproxy import HAPROXY_CONFIG, FrontEnd
+    from resnet18_kit.fleet.haproxy import HAPROXY_CONFIG, FrontEnd, runtime_socket_in
     from resnet18_kit.server.__main__ import config_from_args, check_variant
     from resnet18_kit.server.config import ConfigurationError
     from resnet18_kit.server.supervisor import SupervisorPolicy
@@ -94,7 +95,7 @@ def fleet_config(settings: Settings, args: argparse.Namespace):
     template = config_from_args(settings, args)
     check_variant(template)
     workdir = settings.results_dir(RESULTS_NAME).resolve()
-    front = FrontEnd(args.host, args.http_port, args.grpc_port, workdir / "haproxy.sock")
+    front = FrontEnd(args.host, args.http_port, args.grpc_port, runtime_socket_in(workdir))
     if args.ready_timeout_s <= 0:
         raise ConfigurationError(f"--ready-timeout-s {args.ready_timeout_s:g}: give a positive number of seconds")
     return FleetConfig(replica_configs(template, args.replicas, args.replica_base_port), front, workdir,

@@ -13,6 +13,7 @@ a replica out of the pool before stopping it (`set server <backend>/<server> sta
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import os
 import re
@@ -20,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,9 @@ BACKENDS = {"http": "triton_http", "grpc": "triton_grpc"}
 ENVIRONMENT = ("FLEET_HTTP_BIND", "FLEET_GRPC_BIND", "FLEET_RUNTIME_SOCKET")
 #: Where Debian's package puts the binary (also looked up on PATH).
 DEBIAN_BINARY = Path("/usr/sbin/haproxy")
+#: The longest UNIX socket path HAProxy binds ("socket path ... too long (max 97)": sockaddr_un's 108 bytes
+#: less its own suffix for the temporary name it binds first).
+SOCKET_PATH_MAX_BYTES = 97
 
 
 class HAProxyError(ConfigurationError):
@@ -53,6 +58,18 @@ def haproxy_binary(given: Path | None = None) -> Path:
         raise HAProxyError("HAProxy is not installed (no haproxy on PATH or in /usr/sbin): `make setup` installs "
                            "Debian's package, or run `apt-get install --no-install-recommends haproxy`")
     return Path(found)
+
+
+def runtime_socket_in(workdir: Path) -> Path:
+    """The runtime API's UNIX socket for a fleet whose folder is `workdir`: workdir/haproxy.sock, or, when that
+    path is over SOCKET_PATH_MAX_BYTES, <temp dir>/resnet18-kit-haproxy-<10 hex digits of the folder's
+    SHA-1>.sock (the same for every command given that folder: `fleet swap` finds the running fleet's)."""
+    workdir = Path(workdir).resolve()
+    wanted = workdir / "haproxy.sock"
+    if len(os.fsencode(str(wanted))) <= SOCKET_PATH_MAX_BYTES:
+        return wanted
+    digest = hashlib.sha1(os.fsencode(str(workdir))).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"resnet18-kit-haproxy-{digest}.sock"
 
 
 def replica_name(index: int) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from resnet18_kit.fleet.haproxy import BACKENDS, RuntimeAPI
+from resnet18_kit.fleet.haproxy import BACKENDS, RuntimeAPI, runtime_socket_in
 from resnet18_kit.server.model_control import DEFAULT_SWAP_TIMEOUT_S, ModelControl, SwapError, SwapTarget, swap
 
 #: Seconds a replica may take to finish the requests it holds once drained.
@@ -53,7 +53,7 @@ def swap_fleet(workdir: Path, targets: list[SwapTarget], admin_key: str | None,
     """Swap every replica of the fleet in `workdir` to `targets`, one after another (module doc). SwapError
     (one line) when the fleet does not answer or a replica's swap fails; the replicas swapped before it
     then get their previous configs back and every replica is back in the pool."""
-    api = RuntimeAPI(Path(workdir) / "haproxy.sock")
+    api = RuntimeAPI(runtime_socket_in(Path(workdir)))
     replicas = fleet_replicas(workdir)
     try:
         api.states()

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from resnet18_kit.fleet.fleet import Fleet, FleetConfig
-from resnet18_kit.fleet.haproxy import FrontEnd
+from resnet18_kit.fleet.haproxy import FrontEnd, runtime_socket_in
 from resnet18_kit.observe.metrics import model_counters
 from resnet18_kit.tools.reliability import ECHO_MODEL, RELIABILITY_REPOSITORY
 from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
@@ -63,7 +63,7 @@ def fleet_config(repository: Path, workdir: Path, replicas: int, take_out_on_fau
                                  metrics_port=ports[4 * i + 2], exit_timeout_s=10,
                                  triton_grpc_port=ports[4 * i + 3] if grpc_guard else None, **options)
                     for i in range(replicas))
-    front = FrontEnd("127.0.0.1", ports[-2], ports[-1], workdir / "haproxy.sock")
+    front = FrontEnd("127.0.0.1", ports[-2], ports[-1], runtime_socket_in(workdir))
     return FleetConfig(configs, front, workdir, supervisor=SupervisorPolicy(poll_interval_s=0.2, queue_warnings=False),
                        take_out_on_fault=take_out_on_fault)
 
