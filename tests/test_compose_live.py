@@ -128,10 +128,12 @@ def single(engine, images, tmp_path_factory):
     override = tmp_path_factory.mktemp("single") / "override.yaml"
     override.write_text(yaml.safe_dump({"services": {"triton": {"command": ["--exit-timeout-s=15"]}}}))
     project = new_project(engine, "single", extra_files=(override,))
-    project.up_s = project.timed_up()
-    print(f"\ncompose up --wait: healthy in {project.up_s:.1f} s", flush=True)
-    yield project
-    project.down()
+    try:  # an `up` that fails half-way leaves containers too
+        project.up_s = project.timed_up()
+        print(f"\ncompose up --wait: healthy in {project.up_s:.1f} s", flush=True)
+        yield project
+    finally:
+        project.down()
 
 
 def test_up_wait_is_healthy_and_classifies_like_the_embedded_server(single, triton_server):
@@ -268,10 +270,12 @@ def fleet(engine, images):
     """`docker compose --profile fleet` (three replicas behind HAProxy) on free ports, with model control
     explicit so that its replicas can be swapped; shared by the replay and the swap tests, in that order."""
     project = new_project(engine, "fleet", profiles=("fleet",), settings={"TRITON_MODEL_CONTROL": "explicit"})
-    project.up_s = project.timed_up("haproxy")
-    print(f"\ncompose fleet profile: up in {project.up_s:.1f} s", flush=True)
-    yield project
-    project.down()
+    try:  # an `up` that fails half-way leaves containers too
+        project.up_s = project.timed_up("haproxy")
+        print(f"\ncompose fleet profile: up in {project.up_s:.1f} s", flush=True)
+        yield project
+    finally:
+        project.down()
 
 
 @pytest.mark.slow

@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from resnet18_kit.server.config import ADMIN_HEADER
+
 #: Model states in the repository index that still hold or accept requests.
 LIVE_STATES = ("READY", "UNLOADING", "LOADING")
 #: Seconds between two reads of the repository index while models unload.
@@ -35,8 +37,6 @@ def stop_admitting(http_url: str, key: str | None, timeout_s: float,
     Returns True when every model is unloaded; False when time ran out, `hurry` said so, or the server
     did not answer or refused (it is then stopped as before: SIGTERM, its exit timeout). Raises nothing."""
     import tritonclient.http as httpclient
-
-    from resnet18_kit.server.embedded import ADMIN_HEADER
 
     deadline = time.monotonic() + timeout_s
     headers = {ADMIN_HEADER: key} if key else None

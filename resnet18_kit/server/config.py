@@ -11,6 +11,17 @@ from pathlib import Path
 from resnet18_kit.contract import DEFAULT_HOST, DEFAULT_PORTS, PROTOCOLS
 from resnet18_kit.server.resources import busy_port
 
+#: APIs that change the server or read its memory: model control (load/unload, repository index),
+#: shared-memory registration, trace and log settings. With an admin key they need the key's header;
+#: inference, health, metadata, model config and statistics stay open (the same set as deploy/).
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+#: HTTP header that carries the admin key. Over gRPC Triton expects the metadata key
+#: "triton-grpc-protocol-<header>" (grpcclient: headers={ADMIN_GRPC_HEADER: key}).
+ADMIN_HEADER = "admin-key"
+ADMIN_GRPC_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
+#: Environment variable the `serve` command reads the admin key from (never a flag or a file).
+ADMIN_KEY_ENV = "TRITON_ADMIN_KEY"
+
 MiB = 1 << 20
 #: `serve`'s response cache: 64 MiB holds about 8,000 answers of the `resnet18` ensemble (a cached answer is
 #: its two FP32 [1, 1000] outputs, 8 KB per image: `resnet18-kit bench traffic --only cache`, 60 entries

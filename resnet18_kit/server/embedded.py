@@ -33,21 +33,13 @@ from typing import Callable
 from resnet18_kit.contract import DEFAULT_HOST
 from resnet18_kit.observe.processes import child_processes, port_listeners, rss_bytes
 from resnet18_kit.server.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
-from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError, StartCancelled, check_ports_free
+from resnet18_kit.server.config import (ADMIN_GRPC_HEADER, ADMIN_HEADER, ADMIN_KEY_ENV,  # noqa: F401 (names of this module)
+                                        RESTRICTED_APIS, ConfigurationError, ServerConfig, ServerStartError,
+                                        StartCancelled, check_ports_free)
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, remove_regions
 from resnet18_kit.server.server_log import first_error_line, log_tail
 
 
-#: APIs that change the server or read its memory: model control (load/unload, repository index),
-#: shared-memory registration, trace and log settings. With an admin key they need the key's header;
-#: inference, health, metadata, model config and statistics stay open (the same set as deploy/).
-RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
-#: HTTP header that carries the admin key. Over gRPC Triton expects the metadata key
-#: "triton-grpc-protocol-<header>" (grpcclient: headers={ADMIN_GRPC_HEADER: key}).
-ADMIN_HEADER = "admin-key"
-ADMIN_GRPC_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
-#: Environment variable the `serve` command reads the admin key from (never a flag or a file).
-ADMIN_KEY_ENV = "TRITON_ADMIN_KEY"
 #: Executable name of the Python backend's per-instance stub process.
 STUB_EXECUTABLE = "triton_python_backend_stub"
 #: Numbers this process's servers, for their shared-memory prefixes.

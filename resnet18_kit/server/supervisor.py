@@ -6,8 +6,8 @@ process is killed, the model stays READY, `/v2/health/ready` stays 200, and ever
 fails after about 1 s with HTTP 500 / gRPC INTERNAL "Stub process '<instance>' is not healthy.", for
 ever: the Python backend of this release does not restart the stub (server issue #8604). Reloading the
 model through the model-control API brings it back but leaves the dead instance unloadable, which then
-blocks shutdown until the exit timeout. So the supervisor restarts the whole server, which works with
-`--model-control-mode=none` and needs no model-control API open.
+blocks shutdown until the exit timeout. So the supervisor restarts the whole server, which needs no
+model-control call from a client (`serve --model-control none`, the default, keeps that API closed to them).
 
 Checks, every `poll_interval_s`:
   * the tritonserver process exited;
