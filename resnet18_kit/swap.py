@@ -39,7 +39,7 @@ from pathlib import Path
 
 from resnet18_kit.contract import DEFAULT_URLS
 from resnet18_kit.settings import Settings, shipped_variants, shown
-from resnet18_kit.server.embedded import ADMIN_KEY_ENV
+from resnet18_kit.server.config import ADMIN_KEY_ENV
 from resnet18_kit.server.model_control import (DEFAULT_SWAP_TIMEOUT_S, ModelControl, SwapError, file_target, swap,
                                                variant_targets)
 

@@ -16,7 +16,8 @@ from resnet18_kit.tools.reliability.restricted_api import restricted_api_checks
 from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.server.__main__ import InsecureBindError, add_server_arguments, config_from_args
 from resnet18_kit.server.config import ServerConfig, config_on_free_ports
-from resnet18_kit.server.embedded import ADMIN_KEY_ENV, RESTRICTED_APIS, EmbeddedTritonServer, server_command
+from resnet18_kit.server.config import ADMIN_KEY_ENV, RESTRICTED_APIS
+from resnet18_kit.server.embedded import EmbeddedTritonServer, server_command
 
 
 def parse(*argv: str):

@@ -235,7 +235,8 @@ def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loa
     import tritonclient.http as httpclient
     from google.protobuf import json_format
 
-    from resnet18_kit.server.embedded import ADMIN_HEADER, EmbeddedTritonServer
+    from resnet18_kit.server.config import ADMIN_HEADER
+    from resnet18_kit.server.embedded import EmbeddedTritonServer
 
     config = config_on_free_ports(model_repository=repository.root, model_control="explicit", admin_key=KEY)
 

@@ -53,7 +53,7 @@ def swap_fleet(workdir: Path, targets: list[SwapTarget], admin_key: str | None,
     """Swap every replica of the fleet in `workdir` to `targets`, one after another (module doc). SwapError
     (one line) when the fleet does not answer or a replica's swap fails; the replicas swapped before it
     then get their previous configs back and every replica is back in the pool."""
-    api = RuntimeAPI(runtime_socket_in(Path(workdir)))
+    api = RuntimeAPI(runtime_socket_in(workdir))
     replicas = fleet_replicas(workdir)
     try:
         api.states()

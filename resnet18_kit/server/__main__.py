@@ -49,9 +49,10 @@ from resnet18_kit.export import ensure_exported, export_needed
 from resnet18_kit.progress import stderr_line
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shipped_variants, shown
-from resnet18_kit.server.config import (DEFAULT_CACHE_BYTES, MAX_CACHE_BYTES, ConfigurationError, ServerConfig,
-                                        check_ports_free, free_port_besides)
-from resnet18_kit.server.embedded import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, tritonserver_binary
+from resnet18_kit.server.config import (ADMIN_HEADER, ADMIN_KEY_ENV, DEFAULT_CACHE_BYTES, MAX_CACHE_BYTES,
+                                        RESTRICTED_APIS, ConfigurationError, ServerConfig, check_ports_free,
+                                        free_port_besides)
+from resnet18_kit.server.embedded import tritonserver_binary
 from resnet18_kit.server.model_control import MODEL_CONTROL_MODES
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop

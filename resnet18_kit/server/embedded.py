@@ -33,9 +33,8 @@ from typing import Callable
 from resnet18_kit.contract import DEFAULT_HOST
 from resnet18_kit.observe.processes import child_processes, port_listeners, rss_bytes
 from resnet18_kit.server.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
-from resnet18_kit.server.config import (ADMIN_GRPC_HEADER, ADMIN_HEADER, ADMIN_KEY_ENV,  # noqa: F401 (names of this module)
-                                        RESTRICTED_APIS, ConfigurationError, ServerConfig, ServerStartError,
-                                        StartCancelled, check_ports_free)
+from resnet18_kit.server.config import (ADMIN_HEADER, RESTRICTED_APIS, ConfigurationError, ServerConfig,
+                                        ServerStartError, StartCancelled, check_ports_free)
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, remove_regions
 from resnet18_kit.server.server_log import first_error_line, log_tail
 

@@ -25,7 +25,7 @@ from typing import Callable
 from resnet18_kit.contract import DEFAULT_VARIANT
 from resnet18_kit.observe.model_config import ModelConfigView, parse_served_config, read_config
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.server.embedded import ADMIN_GRPC_HEADER
+from resnet18_kit.server.config import ADMIN_GRPC_HEADER
 
 #: tritonserver --model-control-mode values `serve` accepts: "none" (the models of the repository load at
 #: start and nothing can load or unload them) and "explicit" (they load at start, `--load-model=*`, and the

@@ -10,8 +10,8 @@ from tritonclient.utils import InferenceServerException
 
 from resnet18_kit.tools.reliability import ECHO_MODEL, repository_with
 from resnet18_kit.tools.reliability.loads import echo_load, infer_input
-from resnet18_kit.server.config import ServerConfig, config_on_free_ports
-from resnet18_kit.server.embedded import ADMIN_GRPC_HEADER, ADMIN_HEADER, EmbeddedTritonServer
+from resnet18_kit.server.config import ADMIN_GRPC_HEADER, ADMIN_HEADER, ServerConfig, config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 
 def restricted_api_checks(config: ServerConfig) -> list[dict]:

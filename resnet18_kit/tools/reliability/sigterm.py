@@ -17,8 +17,8 @@ from resnet18_kit.tools.load.outcomes import ANSWERED, ERROR, LOST, REFUSED, Out
 from resnet18_kit.observe.metrics import model_counters
 from resnet18_kit.tools.reliability.loads import HANG_BOUND_S, TensorLoad, onnx_load, reference_answers
 from resnet18_kit.tools.reliability.senders import send_all, send_fresh
-from resnet18_kit.server.config import ServerConfig, config_on_free_ports
-from resnet18_kit.server.embedded import ADMIN_KEY_ENV, EmbeddedTritonServer
+from resnet18_kit.server.config import ADMIN_KEY_ENV, ServerConfig, config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
 
 
 def serve_arguments(config: ServerConfig, server_log: Path) -> list[str]:
