@@ -19,7 +19,10 @@ from tritonclient.grpc import model_config_pb2
 from resnet18_kit.client.samples import SAMPLE_PHOTO_NAMES
 from resnet18_kit.contract import TORCHSCRIPT_MODEL
 from resnet18_kit.observe.model_config import ModelConfigView
-from resnet18_kit.tools.bench.gpu_pack import BUNDLE_NAME, GPU_PYTHON, GPU_VARIANT, GROUPS, MANIFEST, MiB
+from resnet18_kit.tools.bench.gpu_pack import BUNDLE_NAME, GPU_PYTHON, GPU_VARIANT, GROUPS, MANIFEST, STUB_SITE, MiB
+from resnet18_kit.server.config import ConfigurationError, config_on_free_ports
+from resnet18_kit.server.embedded import EmbeddedTritonServer
+from resnet18_kit.tools.bench.gpu_env import overlay_python
 from resnet18_kit.tools.bench.gpu_run import STEPS
 from resnet18_kit.tools.bench.gpu_steps import GPU_MAX_BATCH_SIZE, TENSOR_LEVELS
 
@@ -83,6 +86,13 @@ def test_the_bundle_fits_its_limit_and_holds_what_the_run_needs(packed):
     assert not [name for name in repository if name.endswith((".onnx", ".pt")) or "provenance" in name
                 or "warmup" in name or "resnet18_onnx" in name]
     assert sorted(Path(photo).name for photo in manifest["photos"]) == sorted(SAMPLE_PHOTO_NAMES)
+    # numpy<2 for the GPU machine's stub (STUB_NUMPY_WHY), its compiled core included, its tests left out
+    stub_numpy = [name for name in files if name.startswith(f"{STUB_SITE}/{GPU_PYTHON}/")]
+    version = next(re.fullmatch(rf"{STUB_SITE}/{GPU_PYTHON}/numpy-([\d.]+)\.dist-info/METADATA", name)
+                   for name in stub_numpy if name.endswith(".dist-info/METADATA"))
+    assert int(version.group(1).split(".")[0]) < 2, version.group(1)
+    assert any(re.search(rf"_multiarray_umath\.cpython-{GPU_PYTHON.replace('.', '')}-x86_64", n) for n in stub_numpy)
+    assert not [name for name in stub_numpy if "/tests/" in name]
 
 
 def test_a_bundle_over_its_limit_is_refused_in_one_line_and_leaves_nothing(tmp_path):
@@ -115,7 +125,8 @@ def test_the_dry_run_runs_every_step_from_the_bundle_with_a_gpu_machines_package
     bundle, _ = packed
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(gpu_machine_site(tmp_path / "site")))
-    result = subprocess.run([sys.executable, "-S", str(bundle), "--out", str(out), "--dry-run"], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-S", str(bundle), "--out", str(out), "--dry-run",
+                             "--preprocess-instances", "2", "--network-instances", "1"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=300)
     assert (out / "gpu.json").is_file(), result.stderr[-3000:]
     record = json.loads((out / "gpu.json").read_text())
@@ -123,7 +134,9 @@ def test_the_dry_run_runs_every_step_from_the_bundle_with_a_gpu_machines_package
     assert steps == [(name, "skipped" if name == "inprocess" else "ok") for name, _ in STEPS], \
         (record["steps"], result.stderr[-3000:])
     assert result.returncode == 0 and record["dry_run"] and not record["problems"]
-    assert record["serve"]["instance_group"][0]["kind"] == "KIND_CPU"
+    assert [(g["count"], g["kind"]) for g in record["serve"]["instance_group"]] == [(1, "KIND_CPU")]
+    assert [g["count"] for g in record["serve"]["preprocess_instance_group"]] == [2]
+    assert record["environment"]["stub_python"]["numpy"].startswith("1.")
     assert all(level["infer_per_s"] > 0 for level in record["tensors"]["levels"] + record["main_job"]["levels"])
     assert record["headline"]["main_job_bound_by"] and record["headline"]["served_infer_per_s"] > 0
     assert record["environment"]["ldd"]["perf_analyzer"]["libb64.so.0d"].startswith(record["unpack"]["work"])
@@ -132,5 +145,36 @@ def test_the_dry_run_runs_every_step_from_the_bundle_with_a_gpu_machines_package
     assert {path.name for path in out.iterdir()} == {"gpu.json", "summary.md", "run.log", "tritonserver.log"}
     summary = (out / "summary.md").read_text()
     assert "| main_job | ok |" in summary and "Bound by: " in summary
+    assert "Instances: preprocess 2 x KIND_CPU; network 1 x KIND_CPU." in summary
     log = (out / "run.log").read_text()
     assert all(re.search(rf"^\d{{4}}-\d\d-\d\dT[\d:]+Z INFO \[{name}\] (started|skipped)", log, re.M) for name, _ in STEPS)
+
+
+@pytest.mark.live
+def test_triton_251_stubs_misread_numpy_2_arrays_which_the_gpu_run_avoids(repository, tmp_path):
+    """Upstream: Triton 2.51's stub (pybind11 2.10) builds every array with item size 0 under numpy 2, so the
+    preprocess warmup's BYTES length reads its first byte four times and the stub dies (fixed in 2.52). The
+    GPU machine's python3 has numpy 2: `bench gpu` gives the stubs an environment with numpy<2
+    (gpu_env.overlay_python, ServerConfig.stub_python). Here the same environment with numpy 2 reproduces it."""
+    wheels = tmp_path / "wheels"
+    download = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                               "--dest", str(wheels), "numpy==2.2.6"], capture_output=True, text=True, timeout=300)
+    assert download.returncode == 0, download.stderr[-2000:]
+    with zipfile.ZipFile(next(wheels.glob("numpy-2.2.6-*.whl"))) as wheel:
+        wheel.extractall(tmp_path / "numpy2")
+    stub_python = overlay_python(tmp_path / "overlay", tmp_path / "numpy2")
+    probe = subprocess.run([str(stub_python), "-c", "import numpy; print(numpy.__version__)"],
+                           capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "2.2.6", probe.stderr
+    config = config_on_free_ports(model_repository=repository.root, stub_python=stub_python,
+                                  refuse_first=False, exit_timeout_s=5)
+    server = EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log")
+    try:
+        with pytest.raises(ConfigurationError):
+            server.start(ready_timeout_s=120)
+    finally:
+        server.stop()
+    log = (tmp_path / "tritonserver.log").read_text(errors="replace")
+    warmup = repository.warmup_image_path.read_bytes()
+    misread = int.from_bytes(warmup[:1] * 4, "little")  # the length's first byte, four times
+    assert f"unpacking {misread} bytes at offset 4 (actual buffer size is {len(warmup)})" in log, log[-3000:]

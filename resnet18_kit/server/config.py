@@ -49,6 +49,9 @@ class ServerConfig:
     #: Where the Python backend's folder (--backend-directory) is put together from the nvidia-pytriton
     #: found on sys.path (server.embedded.backend_directory); None: <sys.prefix>/triton-backends.
     backend_root: Path | None = None
+    #: The python3 whose installation (its venv, its site-packages) the stubs' embedded interpreter uses:
+    #: it finds its prefix from the first python3 on PATH and ignores PYTHONPATH. None: this Python.
+    stub_python: Path | None = None
     #: On SIGTERM: seconds for open HTTP connections and in-flight requests (docs/reliability.md "Stopping").
     exit_timeout_s: int = 30
     #: Each stub's first shared-memory region: a batch of 16 FP32 images (9.6 MB) and its logits fit in it.

@@ -84,11 +84,13 @@ def backend_directory(target: Path | None = None) -> Path:
     return target
 
 
-def server_environment() -> dict[str, str]:
-    """This process's environment with LD_LIBRARY_PATH and PATH set for tritonserver and its stubs."""
+def server_environment(stub_python: Path | None = None) -> dict[str, str]:
+    """This process's environment with LD_LIBRARY_PATH and PATH set for tritonserver and its stubs: the
+    folder of `stub_python` (default: this Python) first on PATH, where each stub's embedded interpreter
+    finds the installation whose site-packages it imports from (it ignores PYTHONPATH)."""
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = library_path()
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([str(Path(stub_python or sys.executable).parent), env.get("PATH", "")])
     return env
 
 
@@ -205,7 +207,7 @@ class EmbeddedTritonServer:
             command = ["nice", "-n", str(self.config.nice), *command]  # exec'd: the same pid, its threads inherit
         if self.die_with_parent and shutil.which("setpriv"):
             command = ["setpriv", "--pdeathsig", "TERM", "--", *command]  # kept across its exec
-        env = server_environment()
+        env = server_environment(self.config.stub_python)
         env.pop(CANCEL_MARKS_ENVIRONMENT, None)
         if self.config.triton_grpc_port is not None:  # its marks reach the models (server.cancel_marks)
             from resnet18_kit.server.guard_process import GrpcGuard

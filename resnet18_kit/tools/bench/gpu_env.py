@@ -92,6 +92,31 @@ def check_stub(site: Path, stub_pythons: list[str], links: Path) -> tuple[dict, 
     return report, None
 
 
+def overlay_python(folder: Path, packages: Path) -> Path:
+    """A minimal virtual environment in `folder` over this interpreter's base Python, whose site-packages
+    holds links to every entry of `packages` (so their versions are found first) and a .pth naming this
+    interpreter's site-packages (everything else, found after). A Python started from it, and a Python-backend
+    stub whose PATH starts with its bin/ (ServerConfig.stub_python), import from it. Returns its bin/python3.
+    OSError when the folder cannot be written."""
+    version = this_python()
+    base = Path(getattr(sys, "_base_executable", "") or sys.executable).resolve()
+    site_packages = folder / "lib" / f"python{version}" / "site-packages"
+    (folder / "bin").mkdir(parents=True, exist_ok=True)
+    site_packages.mkdir(parents=True, exist_ok=True)
+    (folder / "pyvenv.cfg").write_text(f"home = {base.parent}\ninclude-system-site-packages = false\n"
+                                      f"version = {platform.python_version()}\n")
+    for name in ("python3", f"python{version}"):
+        (folder / "bin" / name).unlink(missing_ok=True)
+        (folder / "bin" / name).symlink_to(base)
+    for entry in packages.iterdir():
+        (site_packages / entry.name).unlink(missing_ok=True)
+        (site_packages / entry.name).symlink_to(entry)
+    import site
+
+    (site_packages / "zz_this_python.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return folder / "bin" / "python3"
+
+
 def nvidia_smi() -> list[dict] | None:
     """One dict per GPU (name, driver, memory MiB, compute capability) from nvidia-smi; None without it."""
     if not shutil.which("nvidia-smi"):

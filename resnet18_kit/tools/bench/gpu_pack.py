@@ -14,6 +14,7 @@ DIR` runs `resnet18-kit bench gpu --bundle resnet18_kit_gpu.pyz --out DIR` (docs
       bin/, lib/                   perf_analyzer 2.51 (tritonclient's wheel), libb64.so.0d, libcudart.so.12
       model_repository/            the models the gpu_python variant serves, without exported files
       photos/                      the sample photos (scikit-image's data, resnet18_kit/client/samples.py)
+      stub-site/3.12/              numpy 1.26 for the 3.12 stub (STUB_NUMPY_WHY), from PyPI's wheel
 No tritonclient: the run reads the server over HTTP with the standard library and loads it with perf_analyzer.
 
 Prints the file, its size in MiB and its groups (files, unpacked MiB). Exit 0 when written; 2 when a piece
@@ -53,7 +54,18 @@ PURE_PACKAGES = ("tqdm",)
 #: Where perf_analyzer finds libcudart.so.12: a link to the server's bundled libcudart 12.6.
 CUDART_LINK = "lib/libcudart.so.12"
 GROUPS = ("tritonserver", "bundled libraries", "perf_analyzer", "python (in the zip)", "model repository",
-          "photos")
+          "photos", "stub numpy")
+#: Where the numpy the stubs import goes in the payload: stub-site/<X.Y>/, put first on the server's
+#: PYTHONPATH by `bench gpu` when it runs on Python X.Y (gpu_steps.environment).
+STUB_SITE = "stub-site"
+#: Why the stubs get a numpy of their own. Triton 2.51's Python-backend stub is built with pybind11 2.10,
+#: which predates numpy 2's array descriptor (numpy 2 moved `elsize`): under numpy 2 every array the stub
+#: makes from a tensor has item size 0, so each element reads the tensor's first byte (a BYTES input's
+#: length reads 0x45454545 from a JPEG whose length starts 0x45; FP32 tensors are silently wrong). Fixed in
+#: Triton 2.52 (python_backend, pybind11 2.12). The GPU machine's python3 has numpy 2; the kit pins
+#: numpy<2 (pyproject.toml), and the bundle carries that same version for the GPU machine's Python.
+STUB_NUMPY_WHY = ("Triton 2.51's stub (pybind11 2.10) misreads numpy 2 arrays: each element reads the tensor's "
+                  "first byte (fixed in 2.52)")
 #: The zip's entry point: `bench gpu` with --bundle set to the zip itself (its source imported from the zip).
 MAIN = '''"""resnet18-kit's GPU run, packed by `resnet18-kit bench gpu-pack`: python3 <this file> --out DIR [--dry-run]
 runs `resnet18-kit bench gpu --bundle <this file>` from the source in this zip (docs/benchmarks.md)."""
@@ -168,6 +180,7 @@ def collect(repository: ModelRepository, pythons: tuple[str, ...]) -> list[Entry
     entries += python_entries()
     entries += repository_entries(repository)
     entries += photo_entries()
+    entries += stub_numpy_entries(GPU_PYTHON, default_folder("build") / "gpu" / "wheels")
     return entries
 
 
@@ -247,6 +260,37 @@ def photo_entries() -> list[Entry]:
     return [Entry(f"photos/{photo.name}", "photos", photo) for photo in photos]
 
 
+def stub_numpy_entries(version: str, wheels: Path) -> list[Entry]:
+    """The files of numpy's wheel for CPython `version` (manylinux x86-64), at the version installed here
+    (the kit's pin, numpy<2: STUB_NUMPY_WHY), under STUB_SITE/<version>/, its tests left out. The wheel is
+    downloaded once into `wheels` (pip download, PyPI) and unpacked there. PackError when pip cannot get it."""
+    from importlib import metadata
+
+    pin = metadata.version("numpy")
+    if int(pin.split(".")[0]) >= 2:
+        raise PackError(f"numpy {pin} is installed here: the stubs need numpy<2 ({STUB_NUMPY_WHY}); make setup")
+    tag = "cp" + version.replace(".", "")
+    pattern = f"numpy-{pin}-{tag}-{tag}-*manylinux*x86_64*.whl"
+    found = sorted(wheels.glob(pattern))
+    if not found:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+             "--python-version", version, "--implementation", "cp", "--platform", "manylinux2014_x86_64",
+             "--platform", "manylinux_2_17_x86_64", "--dest", str(wheels), f"numpy=={pin}"],
+            capture_output=True, text=True, timeout=600)
+        found = sorted(wheels.glob(pattern))
+        if not found:
+            why = (result.stderr.strip().splitlines() or ["no wheel written"])[-1]
+            raise PackError(f"numpy=={pin} for Python {version} (the stub's, {STUB_NUMPY_WHY}): pip download: {why}")
+    unpacked = wheels / found[-1].name.removesuffix(".whl")
+    if not (unpacked / "numpy" / "__init__.py").is_file():
+        with zipfile.ZipFile(found[-1]) as wheel:
+            wheel.extractall(unpacked)
+    return [Entry(f"{STUB_SITE}/{version}/{path.relative_to(unpacked)}", "stub numpy", path)
+            for path in sorted(unpacked.rglob("*"))
+            if path.is_file() and not {"tests", "__pycache__"} & set(path.relative_to(unpacked).parts)]
+
+
 class LimitedWriter(io.RawIOBase):
     """A binary file that raises PackError once more than `limit_bytes` were written to it."""
 
@@ -277,6 +321,7 @@ def write_bundle(entries: list[Entry], out: Path, limit_bytes: int, preset: int,
                 if entry.group != "python (in the zip)":
                     add_to_tar(tar, entry)
         manifest = {"triton_version": TRITON_VERSION, "gpu_variant": GPU_VARIANT, "gpu_python": GPU_PYTHON,
+                    "stub_site": STUB_SITE,
                     "stub_pythons": list(pythons), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "payload_bytes": payload.stat().st_size,
                     "groups": {group: {"files": sum(e.group == group for e in entries),

@@ -73,6 +73,11 @@ def bar_lines(bar: dict) -> list[str]:
     return lines
 
 
+def instances(groups: list[dict]) -> str:
+    """A served config's instance_group (as /v2/models/<m>/config gives it) as "3 x KIND_CPU"."""
+    return " + ".join(f"{group.get('count')} x {group.get('kind')}" for group in groups)
+
+
 def summary_markdown(record: dict) -> str:
     """The page (module doc) for a record as gpu_run writes it."""
     head = record.get("headline") or {}
@@ -82,6 +87,12 @@ def summary_markdown(record: dict) -> str:
              ""]
     problems = [f"Problem: {problem}" for problem in record.get("problems", [])]
     lines += (problems + [""] if problems else []) + steps_table(record) + [""]
+    serve = record.get("serve") or {}
+    served = [f"{name} {instances(groups)}" for name, groups in
+              (("preprocess", serve.get("preprocess_instance_group")), ("network", serve.get("instance_group")))
+              if groups]
+    if served:
+        lines += [f"Instances: {'; '.join(served)}.", ""]
     tensors = record.get("tensors")
     if tensors:
         lines += [f"## Served tensors: {tensors['model']}, {tensors['protocol']} with {tensors['shared_memory']} "

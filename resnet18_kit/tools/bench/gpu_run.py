@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from resnet18_kit.contract import PREPROCESS_MODEL, TORCHSCRIPT_MODEL
 from resnet18_kit.settings import Settings
 from resnet18_kit.tools.bench import gpu_steps
 from resnet18_kit.tools.bench.gpu_report import summary_markdown
@@ -67,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="unpack here and keep it (a new or empty folder; default: a temporary one, removed)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, metavar="S",
                         help=f"the whole run's limit in seconds (default {DEFAULT_BUDGET_S:.0f})")
+    parser.add_argument("--preprocess-instances", type=int, metavar="N",
+                        help="serve preprocess with N CPU instances (default: its config's 3, sized for 2 cores; "
+                             "the main job on a many-core GPU host is bound by it)")
+    parser.add_argument("--network-instances", type=int, metavar="N",
+                        help="serve the network with N KIND_GPU instances (default: the gpu_python config's 2)")
 
 
 def argument_problem(args: argparse.Namespace) -> str | None:
@@ -83,6 +89,9 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return f"--work {args.work}: not a new or empty folder"
     if not args.budget_s > 0:
         return f"--budget-s {args.budget_s:g}: give seconds above 0"
+    for option in ("preprocess_instances", "network_instances"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            return f"--{option.replace('_', '-')} {getattr(args, option)}: give a count of 1 or more"
     return None
 
 
@@ -100,7 +109,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         print(f"bench gpu: --out or --work: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
         return 2
     context = GpuContext(bundle=args.bundle.resolve(), out=args.out.resolve(), work=work.resolve(),
-                         dry_run=args.dry_run)
+                         dry_run=args.dry_run, instances={PREPROCESS_MODEL: args.preprocess_instances,
+                                                          TORCHSCRIPT_MODEL: args.network_instances})
     cleanup = (lambda: None) if args.work else (lambda: shutil.rmtree(work, ignore_errors=True))
     try:
         return GpuRun(context, args.budget_s, cleanup).run()

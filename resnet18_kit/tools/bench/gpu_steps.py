@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tarfile
 import time
@@ -31,7 +32,7 @@ from resnet18_kit.server.embedded import STUB_EXECUTABLE, EmbeddedTritonServer, 
 from resnet18_kit.server.resources import python_backend_regions
 from resnet18_kit.tools.bench import gpu_env
 from resnet18_kit.tools.bench.gpu_bar import measure_bar
-from resnet18_kit.tools.bench.gpu_pack import GPU_VARIANT, MANIFEST, PAYLOAD
+from resnet18_kit.tools.bench.gpu_pack import GPU_VARIANT, MANIFEST, PAYLOAD, STUB_NUMPY_WHY, STUB_SITE
 from resnet18_kit.tools.load.perf_analyzer import LoadSpec, PerfAnalyzerError, run_level
 from resnet18_kit.tools.load.photos import write_input_data
 
@@ -68,6 +69,10 @@ class GpuContext:
     #: Why the server cannot start here (environment step), one line; None when it can.
     blocker: str | None = None
     server: EmbeddedTritonServer | None = None
+    #: Instance counts that replace the served configs' (model -> count; None: as configured).
+    instances: dict[str, int | None] = field(default_factory=dict)
+    #: The python3 whose installation the stubs use (environment step); None: this Python.
+    stub_python: Path | None = None
 
     @property
     def site(self) -> Path:
@@ -132,6 +137,9 @@ def environment(run: GpuContext) -> dict:
             run.site / "pytriton" / "tritonserver" / "python_backend_stubs" / version / STUB_EXECUTABLE)
     if record["ldd"]["tritonserver"]["missing"] and run.blocker is None:
         run.blocker = f"tritonserver lacks {', '.join(record['ldd']['tritonserver']['missing'])} (ldd)"
+    record["stub_python"] = stub_python(run)
+    if record["stub_python"].get("error") and run.blocker is None:
+        run.blocker = record["stub_python"]["error"]
     cuda = record["torch"]["cuda_available"]
     run.device = "cuda:0" if cuda and not run.dry_run else "cpu"
     if not cuda and not run.dry_run and run.blocker is None:
@@ -140,6 +148,26 @@ def environment(run: GpuContext) -> dict:
         record["shm_warning"] = (f"/dev/shm has {record['machine']['shm_free_mib']} MiB free, under "
                                  f"{SHM_NEEDED_MIB}: the stubs or perf_analyzer may fail to allocate")
     record["device"], record["blocker"] = run.device, run.blocker
+    return record
+
+
+def stub_python(run: GpuContext) -> dict:
+    """When the bundle has a numpy for this Python (STUB_SITE/<X.Y>: STUB_NUMPY_WHY), a virtual environment
+    over this Python with that numpy first (gpu_env.overlay_python), which the stubs then use
+    (run.stub_python); and a check, in a child Python of the environment the stubs get, that what the
+    models import loads: {"python", "numpy", "error" (one line, when it fails or would find numpy 2)}."""
+    packages = run.work / STUB_SITE / gpu_env.this_python()
+    if packages.is_dir():
+        run.stub_python = gpu_env.overlay_python(run.work / "stub-python", packages)
+    python = run.stub_python or Path(sys.executable)
+    probe = "import numpy, PIL, torch; torch.from_numpy(numpy.zeros(2, numpy.float32)); print(numpy.__version__)"
+    result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60)
+    record = {"python": str(python), "numpy": result.stdout.strip() or None}
+    if result.returncode != 0:
+        why = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+        record["error"] = f"the stubs' imports (numpy, PIL, torch) fail in {python}: {why}"
+    elif record["numpy"] and int(record["numpy"].split(".")[0]) >= 2:
+        record["error"] = f"the stubs would import numpy {record['numpy']}: {STUB_NUMPY_WHY}"
     return record
 
 
@@ -194,14 +222,22 @@ def serve(run: GpuContext, deadline: float) -> dict:
     if run.dry_run:
         variant = run.repository.config_path(TORCHSCRIPT_MODEL, GPU_VARIANT)
         variant.write_text(re.sub(r"\bkind: KIND_GPU\b", "kind: KIND_CPU", variant.read_text()))
+    for model, count in run.instances.items():
+        if count is not None:
+            served = run.repository.config_path(model, GPU_VARIANT)
+            served.write_text(re.sub(r"\bcount: \d+", f"count: {count}", served.read_text(), count=1))
     config = config_on_free_ports(model_repository=run.repository.root, model_config_name=GPU_VARIANT,
-                                  backend_root=run.work / "backends", refuse_first=False, exit_timeout_s=10)
+                                  backend_root=run.work / "backends", stub_python=run.stub_python,
+                                  refuse_first=False, exit_timeout_s=10)
     run.server = EmbeddedTritonServer(config, log_path=run.work / "tritonserver.log")
     ready_s = run.server.start(ready_timeout_s=max(10.0, deadline - time.monotonic() - 5))
     url = f"http://{config.http_url}/v2/models/{TORCHSCRIPT_MODEL}/config"
     with urllib.request.urlopen(url, timeout=10) as response:
         served = json.load(response)
+    with urllib.request.urlopen(f"http://{config.http_url}/v2/models/{PREPROCESS_MODEL}/config", timeout=10) as response:
+        preprocess = json.load(response)
     return {"ready_s": round(ready_s, 1), "variant": GPU_VARIANT, "instance_group": served.get("instance_group"),
+            "preprocess_instance_group": preprocess.get("instance_group"),
             "max_batch_size": served.get("max_batch_size"), "stubs": sorted(run.server.stub_processes())}
 
 
