@@ -20,6 +20,29 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+#: /proc/cpuinfo flags that decide how fast the INT8 and FP32 networks run, strongest first: AMX (Intel
+#: Sapphire Rapids and later), AVX-512 VNNI, AVX-VNNI (256-bit), AVX-512, AVX2.
+ISA_FLAGS = (("amx_int8", "AMX"), ("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"), ("avx512f", "AVX-512"),
+             ("avx2", "AVX2"))
+
+
+def cpu_isa() -> list[str]:
+    """The ISA_FLAGS names this CPU has, strongest first (empty where /proc/cpuinfo has no flags)."""
+    try:
+        flags = next((set(line.split(":", 1)[1].split()) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    return [name for flag, name in ISA_FLAGS if flag in flags]
+
+
+def processor_line(machine: dict) -> str:
+    """"AMD EPYC, 2 cores, AVX-512 VNNI, no AMX" from machine_info's record: the figures' processor."""
+    isa = machine.get("isa") or []
+    vector = next((name for name in isa if name != "AMX"), "no AVX2")
+    return f"{machine['cpu']}, {machine['cores']} cores, {vector}, {'AMX' if 'AMX' in isa else 'no AMX'}"
+
+
 def gpu_names() -> str | None:
     """`nvidia-smi -L` output, or None when there is no NVIDIA GPU or driver."""
     if not shutil.which("nvidia-smi"):
@@ -29,10 +52,11 @@ def gpu_names() -> str | None:
 
 
 def machine_info(triton_version: str) -> dict:
-    """CPU model, usable cores (the process's affinity), GPU, memory and the versions that matter."""
+    """CPU model, usable cores (the process's affinity), its ISA (cpu_isa), GPU, memory and the versions
+    that matter."""
     memory_kb = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                       if line.startswith("MemTotal")), 0) if Path("/proc/meminfo").exists() else 0
-    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "gpu": gpu_names(),
+    return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "isa": cpu_isa(), "gpu": gpu_names(),
             "memory_gb": round(memory_kb / 1e6, 1), "platform": platform.platform(),
             "python": platform.python_version(), "triton_version": triton_version,
             **{name: version(name) for name in ("onnxruntime", "torch", "tritonclient", "nvidia-pytriton")}}

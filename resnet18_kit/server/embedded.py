@@ -263,6 +263,16 @@ class EmbeddedTritonServer:
         """True while the tritonserver process is alive."""
         return self.process is not None and self.process.poll() is None
 
+    def server_processes(self) -> dict[str, int]:
+        """The processes this server runs on, by role: {"tritonserver": pid, "grpc guard": pid (when it has
+        one)}; the stubs are tritonserver's children (observe.process_cpu follows them). Empty when stopped."""
+        roles = {}
+        if self.process is not None and self.process.poll() is None:
+            roles["tritonserver"] = self.process.pid
+        if self.guard is not None and self.guard.process is not None and self.guard.process.poll() is None:
+            roles["grpc guard"] = self.guard.process.pid
+        return roles
+
     def stub_processes(self) -> dict[str, int]:
         """The Python backend's stub processes of this server: {instance name: pid}, e.g.
         {"resnet18_onnx_0_0": 4242}. One per model instance; Triton 2.51 does not restart a stub that

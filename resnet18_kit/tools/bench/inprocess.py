@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from resnet18_kit.observe.process_cpu import process_cpu_ms
 from resnet18_kit.repository import ModelRepository
 
 ALL_CORES = "1 runner x all cores"
@@ -33,7 +34,8 @@ STREAMS = "openvino streams"
 class InProcessResult:
     """runtime: what ran (a runtime name, or "<runtime> <file>, <arrangement>"); batch_size; throughput in
     images/s over the timed runs (all runners together); p50_ms / mean_ms / p99_ms: latency of one batch
-    on one runner, milliseconds; runs: timed batches."""
+    on one runner, milliseconds; runs: timed batches; cpu_ms_per_image: this process's CPU time (every
+    thread, os.times user + system) over the timed runs per image, milliseconds (`process_cpu_ms`)."""
 
     runtime: str
     batch_size: int
@@ -42,6 +44,7 @@ class InProcessResult:
     mean_ms: float
     runs: int
     p99_ms: float = float("nan")
+    cpu_ms_per_image: float = float("nan")
 
 
 #: load_runner's runtimes -> the ModelRepository property naming the exported file each runs.
@@ -76,15 +79,16 @@ def measure(repository: ModelRepository | None, runtime: str, batch_sizes: list[
         batch = _batch(batch_size)
         run(batch), run(batch)
         times = []
-        started = time.perf_counter()
+        started, cpu_ms = time.perf_counter(), process_cpu_ms()
         while len(times) < 3 or time.perf_counter() - started < duration_s:
             t0 = time.perf_counter()
             run(batch)
             times.append(time.perf_counter() - t0)
+        cpu_ms = process_cpu_ms() - cpu_ms
         seconds = np.array(times)
         results.append(InProcessResult(runtime, batch_size, float(batch_size * len(times) / seconds.sum()),
                                        float(np.median(seconds) * 1e3), float(seconds.mean() * 1e3), len(times),
-                                       float(np.percentile(seconds, 99) * 1e3)))
+                                       float(np.percentile(seconds, 99) * 1e3), cpu_ms / (batch_size * len(times))))
     return results
 
 
@@ -115,15 +119,18 @@ def measure_workers(runners: list, batch_size: int, duration_s: float, label: st
     for thread in threads:
         thread.start()
     deadline[0] = time.perf_counter() + duration_s
+    cpu_ms = process_cpu_ms()
     start.wait()
     for thread in threads:
         thread.join()
+    cpu_ms = process_cpu_ms() - cpu_ms
     if errors:
         raise errors[0]
     throughput = sum(batch_size * len(t) / sum(t) for t in times)
     seconds = np.concatenate([np.array(t) for t in times])
     return InProcessResult(label, batch_size, float(throughput), float(np.median(seconds) * 1e3),
-                           float(seconds.mean() * 1e3), int(seconds.size), float(np.percentile(seconds, 99) * 1e3))
+                           float(seconds.mean() * 1e3), int(seconds.size), float(np.percentile(seconds, 99) * 1e3),
+                           cpu_ms / (batch_size * int(seconds.size)))
 
 
 def arrangement_names(spec) -> tuple[str, ...]:
@@ -153,8 +160,8 @@ def bar_batch_sizes(max_batch_size: int, dynamic_batching: bool, quick: bool) ->
 
 @dataclass
 class TensorBar:
-    """The in-process bar of one config: `best` (arrangement, batch_size, img_per_s, runners) and every
-    measurement `tried` ({arrangement, runners, **InProcessResult}), for the report."""
+    """The in-process bar of one config: `best` (arrangement, batch_size, img_per_s, runners, cpu_ms_per_image)
+    and every measurement `tried` ({arrangement, runners, **InProcessResult}), for the report."""
 
     model_file: str
     runtime: str
@@ -182,7 +189,8 @@ def strongest(loaders, spec, batch_sizes: list[int], duration_s: float) -> Tenso
     best = max(tried, key=lambda row: row["throughput"])
     return TensorBar(spec.path.name, spec.runtime, spec.precision,
                      {"arrangement": best["arrangement"], "batch_size": best["batch_size"],
-                      "img_per_s": best["throughput"], "runners": best["runners"]}, tried)
+                      "img_per_s": best["throughput"], "runners": best["runners"],
+                      "cpu_ms_per_image": best["cpu_ms_per_image"]}, tried)
 
 
 def measure_again(loaders, spec, bar: TensorBar, duration_s: float) -> float:

@@ -29,6 +29,7 @@ from resnet18_kit.tools.load.perf_analyzer import LoadSpec, run_level
 from resnet18_kit.tools.load.photos import PHOTO_SETS, photo_set, write_input_data
 from resnet18_kit.observe.model_config import served_config
 from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin, mean_of
+from resnet18_kit.observe.process_cpu import ProcessCpu, cpu_phrase, per_inference_ms
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
 from resnet18_kit.client.sync_client import TritonClassifierClient
 from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
@@ -117,16 +118,18 @@ def measure_pipeline_level(server: EmbeddedTritonServer, load: LoadSpec, level: 
 
     Returns perf_analyzer's PerfRow fields (throughput = img/s, latencies in us), "steps": {model:
     statistics_delta} for the ensemble and each of STEP_MODELS (queue_us, compute_infer_us ... per
-    request; average_batch; inference_count), and "cpu_utilization" (server, 0..1, None if unsampled)."""
+    request; average_batch; inference_count), "cpu_utilization" (server, 0..1, None if unsampled) and
+    "server_cpu_ms_per_inference" (the server's processes' CPU per image, observe.process_cpu)."""
     config = server.config
     url = config.url(protocol)
     models = (ENSEMBLE_MODEL, *STEP_MODELS)
     before = {model: model_statistics(config.http_url, model) for model in models}
-    with CpuSampler(config.metrics_url) as cpu:
+    with CpuSampler(config.metrics_url) as cpu, ProcessCpu(server.server_processes()) as processes:
         row = run_level(ENSEMBLE_MODEL, url, protocol, load, level, out_dir, metrics_url=config.metrics_url)
     after = {model: model_statistics(config.http_url, model) for model in models}
-    return {**asdict(row), "steps": {model: statistics_delta(before[model], after[model]) for model in models},
-            "cpu_utilization": cpu.mean}
+    steps = {model: statistics_delta(before[model], after[model]) for model in models}
+    return {**asdict(row), "steps": steps, "cpu_utilization": cpu.mean,
+            "server_cpu_ms_per_inference": per_inference_ms(processes.seconds, steps[ENSEMBLE_MODEL]["inference_count"])}
 
 
 def sweep(server: EmbeddedTritonServer, input_data: Path, protocol: str, inprocess: dict, out: Path,
@@ -155,6 +158,7 @@ def summarize_protocol(rows: list[dict], inprocess: dict) -> dict:
     best = max(rows, key=lambda r: r["throughput"])
     one = next((r for r in rows if r["level"] == 1), None)
     return {"best_level": best["level"], "best_img_per_s": best["throughput"],
+            "best_server_cpu_ms_per_inference": best.get("server_cpu_ms_per_inference"),
             "efficiency": best["throughput"] / inprocess["saturation_img_per_s"],
             "c1_p50_ms": None if one is None else one["p50_us"] / 1000,
             "c1_gap_ms": None if one is None else one["p50_us"] / 1000 - inprocess["batch1_p50_ms"]}
@@ -280,6 +284,7 @@ def ratio_lines(pipeline: dict) -> list[str]:
     return [f"{variant['variant']} main job, {entry['photos']} photos, {run['protocol']}: {run['efficiency']:.2f} "
             f"of in-process ({run['best_img_per_s']:.1f} / {entry['inprocess']['saturation_img_per_s']:.1f} img/s, "
             f"concurrency {run['best_level']:g}; in-process {variant['inprocess_twin']['network_label']})"
+            + cpu_phrase(run.get("best_server_cpu_ms_per_inference"), entry["inprocess"].get("saturation_cpu_ms_per_image"))
             for variant, entry, run in served_runs(pipeline)]
 
 

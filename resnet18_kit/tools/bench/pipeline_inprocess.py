@@ -36,6 +36,7 @@ import numpy as np
 from resnet18_kit.tools.bench import inprocess
 from resnet18_kit.contract import IMAGE_SHAPE, ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.observe.model_config import ModelConfigView
+from resnet18_kit.observe.process_cpu import process_cpu_ms
 from resnet18_kit.repository import ModelRepository
 
 #: Batches the decode threads may have filled ahead of the network, at least (the queue between the
@@ -69,13 +70,15 @@ class InProcessPipelineResult:
 
     saturation_img_per_s: images/s through decode + network at saturation; saturation_batches: batches
     timed (n above). batch1_p50_ms / batch1_p99_ms: decode + network at batch 1, per image, milliseconds;
-    batch1_images: images timed."""
+    batch1_images: images timed; saturation_cpu_ms_per_image: below."""
 
     saturation_img_per_s: float
     saturation_batches: int
     batch1_p50_ms: float
     batch1_p99_ms: float
     batch1_images: int
+    #: This process's CPU time (every thread) per image over the timed saturation window, milliseconds.
+    saturation_cpu_ms_per_image: float = float("nan")
 
 
 class PipelineTwin:
@@ -125,10 +128,11 @@ class PipelineTwin:
         """Decode + transform one encoded image into `row` (FP32 [3, 224, 224]), as the served model does."""
         self._preprocess(data, self.limits, out=row)
 
-    def saturation(self, photos: list[bytes], duration_s: float) -> tuple[float, int]:
-        """Images/s of the pipelined decode -> network at saturation, and the batches timed (module
-        docstring). Warm-up until every network worker ran one batch, then about duration_s seconds, and
-        on until at least 3 batches completed in the timed window."""
+    def saturation(self, photos: list[bytes], duration_s: float) -> tuple[float, int, float]:
+        """Images/s of the pipelined decode -> network at saturation, the batches timed (module docstring),
+        and this process's CPU ms per image over the timed window (decode and network threads together).
+        Warm-up until every network worker ran one batch, then about duration_s seconds, and on until at
+        least 3 batches completed in the timed window."""
         batches: queue.Queue = queue.Queue(maxsize=max(QUEUE_DEPTH, self.network_workers))
         stop, warm, lock = threading.Event(), threading.Event(), threading.Lock()
         order = itertools.cycle(range(len(photos)))
@@ -185,9 +189,11 @@ class PipelineTwin:
                     raise TimeoutError(f"in-process pipeline: no batch through the network in {WARMUP_LIMIT_S:g} s")
                 time.sleep(0.01)
             warm.set()
+            cpu_ms = process_cpu_ms()
             ends = time.perf_counter() + duration_s
             while not stop.is_set() and (time.perf_counter() < ends or len(completions) < 3):
                 time.sleep(0.01)
+            cpu_ms, images = process_cpu_ms() - cpu_ms, self.batch_size * len(completions)
         finally:
             stop.set()
             for worker in workers:
@@ -195,7 +201,8 @@ class PipelineTwin:
         if errors:
             raise errors[0]
         times = np.array(completions)
-        return float(self.batch_size * (len(times) - 1) / (times[-1] - times[0])), len(times)
+        return (float(self.batch_size * (len(times) - 1) / (times[-1] - times[0])), len(times),
+                cpu_ms / max(1, images))
 
     def batch1_latency(self, photos: list[bytes], duration_s: float, min_images: int = 20
                        ) -> tuple[float, float, int]:
@@ -220,9 +227,9 @@ class PipelineTwin:
 
     def measure(self, photos: list[bytes], saturation_s: float, batch1_s: float) -> dict:
         """Both figures on `photos` (encoded files): an InProcessPipelineResult as a dict."""
-        throughput, batches_timed = self.saturation(photos, saturation_s)
+        throughput, batches_timed, cpu_ms = self.saturation(photos, saturation_s)
         p50_ms, p99_ms, images = self.batch1_latency(photos, batch1_s)
-        return asdict(InProcessPipelineResult(throughput, batches_timed, p50_ms, p99_ms, images))
+        return asdict(InProcessPipelineResult(throughput, batches_timed, p50_ms, p99_ms, images, cpu_ms))
 
 
 def mean_of(before: dict, after: dict) -> dict:

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from resnet18_kit.tools.bench import pipeline_report  # noqa: E402
 from resnet18_kit.observe.placement import describe  # noqa: E402
+from resnet18_kit.observe.process_cpu import cpu_phrase  # noqa: E402
 
 BREAKDOWN = (("server_queue_us", "server queue"), ("server_compute_input_us", "compute input"),
              ("server_compute_infer_us", "compute infer"), ("server_compute_output_us", "compute output"),
@@ -255,10 +256,13 @@ def placement_phrase(view, spec, pinned: dict, cores: int) -> str:
 
 
 def ratio_lines(configs: dict[str, dict]) -> list[str]:
-    """One line per config: served / in-process infer/s, with both figures and both arrangements."""
+    """One line per config: served / in-process infer/s, with both figures and both arrangements, then the
+    CPU each side spends per inference at those levels (cpu_phrase)."""
     return [f"{name} tensors: {c['efficiency']:.2f} of in-process ({saturation_row(c)['throughput']:.1f} / "
             f"{c['inprocess_bar_img_per_s']:.1f} infer/s; served {c['placement']}, concurrency "
-            f"{saturation_row(c)['level']:g}; in-process {c['inprocess_bar']['label']})" for name, c in configs.items()]
+            f"{saturation_row(c)['level']:g}; in-process {c['inprocess_bar']['label']})"
+            + cpu_phrase(saturation_row(c).get("server_cpu_ms_per_inference"), c["inprocess_bar"].get("cpu_ms_per_image"))
+            for name, c in configs.items()]
 
 
 def evaluate_targets(configs: dict[str, dict], identity: dict, cores: int) -> list[dict]:

@@ -48,7 +48,8 @@ from pathlib import Path
 import numpy as np
 
 from resnet18_kit.tools.bench import inprocess
-from resnet18_kit.observe.machine import cpu_share, cpu_ticks, machine_info
+from resnet18_kit.observe.machine import cpu_share, cpu_ticks, machine_info, processor_line
+from resnet18_kit.observe.process_cpu import ProcessCpu, per_inference_ms
 from resnet18_kit.tools.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError, run_level
 from resnet18_kit.tools.bench.pipeline import pipeline_options, print_targets, run_pipeline
 from resnet18_kit.tools.bench.pipeline import ratio_lines as pipeline_ratio_lines
@@ -88,14 +89,17 @@ def local_batching(repository: ModelRepository, model: str, name: str) -> ModelC
 
 def measure_level(server: EmbeddedTritonServer, model: str, load: LoadSpec, level: float, out_dir: Path,
                   protocol: str) -> dict:
-    """One perf_analyzer level with the server-side statistics of exactly that run."""
+    """One perf_analyzer level with the server-side statistics of exactly that run, and the CPU time the
+    server's processes spent over it per inference (observe.process_cpu)."""
     config = server.config
     url = config.url(protocol)
     before = model_statistics(config.http_url, model)
-    with CpuSampler(config.metrics_url) as cpu:
+    with CpuSampler(config.metrics_url) as cpu, ProcessCpu(server.server_processes()) as processes:
         row = run_level(model, url, protocol, load, level, out_dir, metrics_url=config.metrics_url)
     after = model_statistics(config.http_url, model)
-    return {**asdict(row), "server": statistics_delta(before, after), "cpu_utilization": cpu.mean}
+    served = statistics_delta(before, after)
+    return {**asdict(row), "server": served, "cpu_utilization": cpu.mean,
+            "server_cpu_ms_per_inference": per_inference_ms(processes.seconds, served["inference_count"])}
 
 
 def levels_for(max_batch_size: int, max_queue_size: int, quick: bool, instances: int = 1) -> tuple[int, ...]:
@@ -357,7 +361,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     (run_dir / "machine.json").write_text(json.dumps(machine, indent=2) + "\n")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report = write_report(run_dir)
-    print(f"\nbench: {shown(report)} ({time.time() - started:.0f} s)")
+    print(f"\nbench: {shown(report)} ({time.time() - started:.0f} s); on {processor_line(machine)}")
     for line in ratio_lines(configs):
         print(line)
     if summary["targets"]:
