@@ -264,6 +264,10 @@ def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on
         if model != "resnet18":
             assert sum(size * count for size, count in steps["batch_executions"].items()) == 12
             assert steps["compute_infer_us"] > 0 and steps["average_batch"] >= 1
+    # the server's CPU over the run, per image: tritonserver and each step's stubs, from /proc
+    cpu = row["server_cpu_ms_per_inference"]
+    assert cpu["total"] > 0 and cpu["by_process"]["stub preprocess"] > 0 and cpu["by_process"]["tritonserver"] > 0, cpu
+    assert cpu["by_process"]["stubs"] <= cpu["total"], cpu
 
 
 def test_pipeline_report_and_targets_from_a_summary(tmp_path):

@@ -144,9 +144,13 @@ def free_port_besides(*taken: int) -> int:
             return port
 
 
-def config_on_free_ports(**options) -> ServerConfig:
-    """A ServerConfig with HTTP, gRPC and metrics on free ports (tests, benchmarks); other fields as given."""
-    http_port, grpc_port, metrics_port = free_ports(3)
+def config_on_free_ports(grpc_guard: bool = False, **options) -> ServerConfig:
+    """A ServerConfig with HTTP, gRPC and metrics on free ports (tests, benchmarks); other fields as given.
+    grpc_guard: the kit's gRPC guard on the gRPC port, tritonserver's own gRPC on a fourth free port
+    (triton_grpc_port), as `resnet18-kit serve` runs by default."""
+    http_port, grpc_port, metrics_port, triton_grpc_port = free_ports(4)
+    if grpc_guard:
+        options["triton_grpc_port"] = triton_grpc_port
     return ServerConfig(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, **options)
 
 

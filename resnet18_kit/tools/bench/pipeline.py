@@ -77,6 +77,8 @@ class PipelineOptions:
     #: Serve from this model repository instead (e.g. an older checkout's, for a before/after figure);
     #: the in-process twin still reads `repository`'s configs and runs its code.
     served_repository: Path | None = None
+    #: gRPC through the kit's gRPC guard, as `resnet18-kit serve` runs (server.config.config_on_free_ports).
+    grpc_guard: bool = False
 
     @property
     def perf_runs(self) -> int:
@@ -170,7 +172,8 @@ def run_variant(variant: str, photos: dict[str, list[Path]], run_dir: Path, opti
     out = run_dir / "pipeline" / variant
     out.mkdir(parents=True)
     server_config = config_on_free_ports(model_config_name=None if variant == DEFAULT_VARIANT else variant,
-                                         model_repository=options.served_repository or options.repository.root)
+                                         model_repository=options.served_repository or options.repository.root,
+                                         grpc_guard=options.grpc_guard)
     server = EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log")
     if progress is not None:
         progress.set_description(f"pipeline {variant}: starting tritonserver")

@@ -133,7 +133,8 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
     out = run_dir / name
     out.mkdir(parents=True)
     server_config = config_on_free_ports(model_config_name=None if name == DEFAULT_VARIANT else name,
-                                         model_repository=args.served_repository or repository.root)
+                                         model_repository=args.served_repository or repository.root,
+                                         grpc_guard=args.grpc_guard)
     server = EmbeddedTritonServer(server_config, log_path=out / "tritonserver.log")
     progress.set_description(f"{name}: starting tritonserver")
     log.info("%s: starting tritonserver (--model-config-name %s)", name, name)
@@ -273,6 +274,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-repository", type=Path, metavar="DIR",
                         help="serve from this model repository (e.g. an older checkout's model_repository/, for a "
                              "before/after); the configs' in-process bars are --model-repository's")
+    parser.add_argument("--grpc-guard", action="store_true",
+                        help="measure gRPC through the kit's gRPC guard, as `resnet18-kit serve` runs (default: "
+                             "tritonserver's own gRPC port); its CPU counts in the server's CPU per inference")
 
 
 def usage_problem(repository: ModelRepository, args: argparse.Namespace) -> str | None:
@@ -307,7 +311,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     try:
         pipeline = None if args.skip_pipeline else replace(pipeline_options(
             repository, settings.results_dir(), args.quick, args.pipeline_variants,
-            None if args.quick else args.measurement_ms), served_repository=args.served_repository)
+            None if args.quick else args.measurement_ms), served_repository=args.served_repository,
+            grpc_guard=args.grpc_guard)
     except ValueError as exc:
         print(f"resnet18-kit bench run: --pipeline-variants: {exc}", file=sys.stderr)
         return 2
