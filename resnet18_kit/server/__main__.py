@@ -44,7 +44,7 @@ import sys
 import threading
 from pathlib import Path
 
-from resnet18_kit.contract import DEFAULT_VARIANT
+from resnet18_kit.contract import DEFAULT_VARIANT, TRITON_VERSION
 from resnet18_kit.export import ensure_exported, export_needed
 from resnet18_kit.progress import stderr_line
 from resnet18_kit.repository import ModelRepository
@@ -57,6 +57,7 @@ from resnet18_kit.server.model_control import MODEL_CONTROL_MODES
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
+from resnet18_kit.upstream import banner_line, needs
 
 #: The file under the results folder where `serve` writes tritonserver's full log (restarts append to it).
 SERVER_LOG_NAME = "serve-tritonserver.log"
@@ -83,12 +84,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tritonserver's --log-verbose level (default 0; 1 and up: detail per request)")
     add_cache_argument(parser)
     add_model_control_argument(parser)
-    parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=None,
                         help="gRPC clients connect to the kit's guard, which never passes their deadlines or "
-                             "cancellations on to tritonserver (Triton 2.51 crashes on them under load; "
+                             "cancellations on to tritonserver (Triton before 2.59.0 crashes on them under load; "
                              "docs/reliability.md 'Deadlines and cancellation'); tritonserver's own gRPC then "
-                             "listens on a free port of 127.0.0.1 (default: on; --no-grpc-guard exposes "
-                             "tritonserver's gRPC on --grpc-port)")
+                             "listens on a free port of 127.0.0.1 (default: on where the release lacks the fix, "
+                             "as 2.51 does; --no-grpc-guard exposes tritonserver's gRPC on --grpc-port)")
     parser.add_argument("--refuse-first", action=argparse.BooleanOptionalAction, default=True,
                         help="on a stop, unload the models before tritonserver gets SIGTERM: new requests are "
                              "refused at once (404 / NOT_FOUND 'has no available versions'), those held are "
@@ -139,10 +140,11 @@ class InsecureBindError(ValueError):
     set: refused (exit status 2)."""
 
 
-def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict[str, str] | None = None
-                     ) -> ServerConfig:
+def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict[str, str] | None = None,
+                     triton_version: str = TRITON_VERSION) -> ServerConfig:
     """The ServerConfig for the parsed arguments and the settings' model repository; the admin key comes
-    from $TRITON_ADMIN_KEY.
+    from $TRITON_ADMIN_KEY. The gRPC guard runs where --grpc-guard says, else where `triton_version` (the
+    release served) lacks the fix of the defect it works around (resnet18_kit.upstream).
 
     Warns on stderr when the server will be reachable from other machines; raises InsecureBindError
     when it would be reachable without the restricted APIs being locked.
@@ -157,7 +159,7 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
                           model_control=getattr(args, "model_control", "none"),
                           refuse_first=getattr(args, "refuse_first", True),
                           triton_grpc_port=(free_port_besides(args.http_port, args.grpc_port, args.metrics_port)
-                                            if args.grpc_guard else None))
+                                            if guarded(args, triton_version) else None))
     if config.model_control != "none" and admin_key is None:
         raise InsecureBindError(
             f"serve: --model-control {config.model_control} needs an admin key, or anyone who can reach the server "
@@ -177,6 +179,12 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
         print(f"serve: {', '.join(RESTRICTED_APIS)} need the header '{ADMIN_HEADER}' "
               f"(key from ${ADMIN_KEY_ENV})", file=sys.stderr)
     return config
+
+
+def guarded(args: argparse.Namespace, triton_version: str) -> bool:
+    """--grpc-guard / --no-grpc-guard when given, else whether `triton_version` needs the guard."""
+    grpc_guard = getattr(args, "grpc_guard", None)
+    return needs("grpc-cancellation", triton_version) if grpc_guard is None else grpc_guard
 
 
 def guard_note(config: ServerConfig) -> str:
@@ -296,6 +304,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
                   f"  gRPC    {config.grpc_url}{guard_note(config)}\n"
                   f"  metrics {config.metrics_url}\n"
                   f"  config  {config.model_config_name or DEFAULT_VARIANT}{control_note(config)}\n"
+                  f"  Triton  {banner_line(TRITON_VERSION, config.triton_grpc_port is not None)}\n"
                   f"  try:    resnet18-kit classify --url {config.http_url} <images>\n"
                   f"serve: Ctrl-C or SIGTERM to stop", flush=True)
 
