@@ -37,10 +37,14 @@ def cpu_isa() -> list[str]:
 
 
 def processor_line(machine: dict) -> str:
-    """"AMD EPYC, 2 cores, AVX-512 VNNI, no AMX" from machine_info's record: the figures' processor."""
-    isa = machine.get("isa") or []
+    """"AMD EPYC, 2 cores, AVX-512 VNNI, no AMX" from machine_info's record: the figures' processor; without
+    an "isa" entry (records written before it existed) only "AMD EPYC, 2 cores"."""
+    where = f"{machine.get('cpu', 'an unnamed CPU')}, {machine.get('cores', '?')} cores"
+    if "isa" not in machine:
+        return where
+    isa = machine["isa"] or []
     vector = next((name for name in isa if name != "AMX"), "no AVX2")
-    return f"{machine['cpu']}, {machine['cores']} cores, {vector}, {'AMX' if 'AMX' in isa else 'no AMX'}"
+    return f"{where}, {vector}, {'AMX' if 'AMX' in isa else 'no AMX'}"
 
 
 def gpu_names() -> str | None:

@@ -19,6 +19,7 @@ import json
 import re
 from pathlib import Path
 
+from resnet18_kit.observe.machine import processor_line
 from resnet18_kit.tools.bench.pipeline import served_runs
 from resnet18_kit.tools.bench.report import saturation_row
 
@@ -72,7 +73,7 @@ def _pipeline_img_per_s(pipeline: dict) -> dict[str, tuple[float, float | None]]
 def backing(rows: list[dict], results: Path, machine: dict) -> dict:
     """What docs/figures/configs.json holds: the rows, the command, the results folder's name, the machine."""
     return {"command": MEASURE_COMMAND, "results": results.name,
-            "machine": {key: machine[key] for key in ("cpu", "cores", "triton_version") if key in machine},
+            "machine": {key: machine[key] for key in ("cpu", "cores", "isa", "triton_version") if key in machine},
             "rows": rows}
 
 
@@ -98,8 +99,7 @@ def render(data: dict, uses: dict[str, str] | None = None) -> str:
     fastest = min((row for row in data["rows"] if row["low_concurrency"] == 1), key=lambda row: row["p50_ms"],
                   default=min(data["rows"], key=lambda row: row["p50_ms"]))
     most = max(data["rows"], key=lambda row: row["infer_per_s"])
-    machine = data.get("machine", {})
-    where = f"{machine.get('cores', '?')} cores ({machine.get('cpu', 'CPU')})"
+    where = processor_line(data.get("machine", {}))
     lines += ["", f"Lowest latency at low load: `{fastest['variant']}` ({fastest['p50_ms']:g} ms p50). Most "
                   f"throughput: `{most['variant']}` ({most['infer_per_s']:g} infer/s). Measured on {where} with "
                   f"`{data['command']}`: the network alone (resnet18_onnx over gRPC with system shared memory), "
@@ -127,7 +127,8 @@ def render_ratios(data: dict) -> str:
         ratio = "-" if row["of_inprocess_bar"] is None else f"{row['of_inprocess_bar']:g}"
         lines.append(f"| `{row['variant']}` | {row['infer_per_s']:g} ({row['saturation_concurrency']:g}) | "
                      f"{bar} | {ratio} |")
-    lines += ["", f"`{data['command']}`, results folder {data['results']}; `resnet18-kit figures` rewrites this table."]
+    lines += ["", f"`{data['command']}` on {processor_line(data.get('machine', {}))}, results folder {data['results']}; "
+                  "`resnet18-kit figures` rewrites this table."]
     return "\n".join(lines)
 
 
@@ -136,7 +137,7 @@ def render_headline(data: dict) -> str:
     photos-in, labels-out img/s."""
     most = max(data["rows"], key=lambda row: row["infer_per_s"])
     end_to_end = [row for row in data["rows"] if row["end_to_end_img_per_s"] is not None]
-    line = (f"On {data.get('machine', {}).get('cores', 2)} CPU cores, the fastest config (`{most['variant']}`) serves "
+    line = (f"On {processor_line(data.get('machine', {}))}: the fastest config (`{most['variant']}`) serves "
             f"{most['infer_per_s']:g} infer/s")
     if most["of_inprocess_bar"] is not None:
         line += f", {most['of_inprocess_bar']:g} of the same network in-process with every core busy"
