@@ -58,11 +58,10 @@ class ServerConfig:
     python_shm_default_bytes: int = 16 * MiB
     python_shm_growth_bytes: int = 16 * MiB
     log_verbose: int = 0
-    #: tritonserver and its stubs run at this nice value (0 = as this process; higher = less CPU priority),
-    #: so the gRPC guard and the supervisor, whose work per request is small, get a core at once while
-    #: the models keep both busy. Measured (bench.traffic.priority_run, the scenario of `resnet18-kit bench
-    #: traffic`, 2 cores, default config): an interactive request's p99 under a bulk flood, through the
-    #: guard, 195 ms at nice 0 and 132 ms at 10; idle p99 41.8 and 35.4 ms; the flood 66.3 and 66.5 infer/s.
+    #: tritonserver and its stubs run at this nice value (0 = as this process; higher = less CPU priority, the
+    #: kernel's CFS weight), so the gRPC guard and the supervisor, whose work per request is small, get a
+    #: core at once while the models keep every core busy. How the value was chosen: `resnet18-kit bench
+    #: traffic` (docs/records/usage.md).
     nice: int = 10
     #: Triton's local response cache (--cache-config local,size=N), bytes; 0 = no cache. Only models whose
     #: config says `response_cache { enable: true }` use it (the `resnet18` ensemble); DEFAULT_CACHE_BYTES.
