@@ -16,6 +16,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: The Triton release of the embedded server (the `tritonserver` in nvidia-pytriton 0.7.0; NGC 24.10).
 TRITON_VERSION = "2.51.0"
+#: Executable name of the Python backend's per-instance stub process (its first argument is
+#: <repository>/<model>/<version>/model.py).
+STUB_EXECUTABLE = "triton_python_backend_stub"
 
 #: Client protocols (KServe v2 / Open Inference Protocol over HTTP/REST and gRPC) and the default ports of
 #: `make serve` / the embedded server; the metrics port serves Prometheus text at /metrics.

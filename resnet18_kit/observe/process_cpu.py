@@ -15,12 +15,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from resnet18_kit.contract import STUB_EXECUTABLE
 from resnet18_kit.observe.processes import child_processes
 
 #: Clock ticks per second of /proc/<pid>/stat's utime and stime.
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-#: The Python backend's stub executable: its first argument is <repository>/<model>/<version>/model.py.
-STUB_NAME = "triton_python_backend_stub"
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -42,7 +41,7 @@ def process_cpu_ms() -> float:
 
 def role(argv: list[str], default: str) -> str:
     """"stub <model>" for a Python-backend stub (from its model path), else `default`."""
-    if argv and Path(argv[0]).name == STUB_NAME and len(argv) > 1:
+    if argv and Path(argv[0]).name == STUB_EXECUTABLE and len(argv) > 1:
         parts = Path(argv[1]).parts
         return f"stub {parts[-3]}" if len(parts) >= 3 else "stub"
     return default

@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from resnet18_kit.contract import DEFAULT_HOST
+from resnet18_kit.contract import DEFAULT_HOST, STUB_EXECUTABLE
 from resnet18_kit.observe.processes import child_processes, port_listeners, rss_bytes
 from resnet18_kit.server.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
 from resnet18_kit.server.config import (ADMIN_HEADER, RESTRICTED_APIS, ConfigurationError, ServerConfig,
@@ -39,8 +39,6 @@ from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, remove_regi
 from resnet18_kit.server.server_log import first_error_line, log_tail
 
 
-#: Executable name of the Python backend's per-instance stub process.
-STUB_EXECUTABLE = "triton_python_backend_stub"
 #: Numbers this process's servers, for their shared-memory prefixes.
 _starts = itertools.count(1)
 def _pytriton_dir() -> Path:
@@ -71,7 +69,7 @@ def backend_directory(target: Path | None = None) -> Path:
     target = Path(sys.prefix) / "triton-backends" if target is None else Path(target)
     python_dir = target / "python"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = source / "python_backend_stubs" / version / "triton_python_backend_stub"
+    stub = source / "python_backend_stubs" / version / STUB_EXECUTABLE
     if not stub.is_file():
         raise RuntimeError(f"nvidia-pytriton ships no Python-backend stub for Python {version}")
     python_dir.mkdir(parents=True, exist_ok=True)
@@ -266,9 +264,7 @@ class EmbeddedTritonServer:
     def server_processes(self) -> dict[str, int]:
         """The processes this server runs on, by role: {"tritonserver": pid, "grpc guard": pid (when it has
         one)}; the stubs are tritonserver's children (observe.process_cpu follows them). Empty when stopped."""
-        roles = {}
-        if self.process is not None and self.process.poll() is None:
-            roles["tritonserver"] = self.process.pid
+        roles = {"tritonserver": self.process.pid} if self.running else {}
         if self.guard is not None and self.guard.process is not None and self.guard.process.poll() is None:
             roles["grpc guard"] = self.guard.process.pid
         return roles

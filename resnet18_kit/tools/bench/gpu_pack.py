@@ -35,7 +35,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from resnet18_kit.contract import ENSEMBLE_MODEL, PREPROCESS_MODEL, TORCHSCRIPT_MODEL, TRITON_VERSION
+from resnet18_kit.contract import (ENSEMBLE_MODEL, PREPROCESS_MODEL, STUB_EXECUTABLE, TORCHSCRIPT_MODEL,
+                                   TRITON_VERSION)
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, default_folder, shown
 
@@ -55,8 +56,8 @@ PURE_PACKAGES = ("tqdm",)
 CUDART_LINK = "lib/libcudart.so.12"
 GROUPS = ("tritonserver", "bundled libraries", "perf_analyzer", "python (in the zip)", "model repository",
           "photos", "stub numpy")
-#: Where the numpy the stubs import goes in the payload: stub-site/<X.Y>/, put first on the server's
-#: PYTHONPATH by `bench gpu` when it runs on Python X.Y (gpu_steps.environment).
+#: Where the numpy the stubs import goes in the payload: stub-site/<X.Y>/, which `bench gpu` on Python X.Y
+#: puts first in the environment its stubs use (gpu_steps.stub_python, gpu_env.overlay_python).
 STUB_SITE = "stub-site"
 #: Why the stubs get a numpy of their own. Triton 2.51's Python-backend stub is built with pybind11 2.10,
 #: which predates numpy 2's array descriptor (numpy 2 moved `elsize`): under numpy 2 every array the stub
@@ -66,6 +67,11 @@ STUB_SITE = "stub-site"
 #: numpy<2 (pyproject.toml), and the bundle carries that same version for the GPU machine's Python.
 STUB_NUMPY_WHY = ("Triton 2.51's stub (pybind11 2.10) misreads numpy 2 arrays: each element reads the tensor's "
                   "first byte (fixed in 2.52)")
+
+
+def numpy_fits_stub(version: str) -> bool:
+    """Whether numpy `version` ("1.26.4") is one Triton 2.51's stub reads right: below 2 (STUB_NUMPY_WHY)."""
+    return int(version.split(".")[0]) < 2
 #: The zip's entry point: `bench gpu` with --bundle set to the zip itself (its source imported from the zip).
 MAIN = '''"""resnet18-kit's GPU run, packed by `resnet18-kit bench gpu-pack`: python3 <this file> --out DIR [--dry-run]
 runs `resnet18-kit bench gpu --bundle <this file>` from the source in this zip (docs/benchmarks.md)."""
@@ -169,7 +175,7 @@ def collect(repository: ModelRepository, pythons: tuple[str, ...]) -> list[Entry
     entries.append(Entry("site/pytriton/__init__.py", "tritonserver",
                          text='"""The tritonserver folder of nvidia-pytriton 0.7.0, without its Python API."""\n'))
     for version in pythons:
-        stub = server / "python_backend_stubs" / version / "triton_python_backend_stub"
+        stub = server / "python_backend_stubs" / version / STUB_EXECUTABLE
         if not stub.is_file():
             raise PackError(f"--stub-python {version}: nvidia-pytriton ships no stub {stub}")
         binaries.append(stub)
@@ -267,7 +273,7 @@ def stub_numpy_entries(version: str, wheels: Path) -> list[Entry]:
     from importlib import metadata
 
     pin = metadata.version("numpy")
-    if int(pin.split(".")[0]) >= 2:
+    if not numpy_fits_stub(pin):
         raise PackError(f"numpy {pin} is installed here: the stubs need numpy<2 ({STUB_NUMPY_WHY}); make setup")
     tag = "cp" + version.replace(".", "")
     pattern = f"numpy-{pin}-{tag}-{tag}-*manylinux*x86_64*.whl"

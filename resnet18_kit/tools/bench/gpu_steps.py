@@ -32,7 +32,8 @@ from resnet18_kit.server.embedded import STUB_EXECUTABLE, EmbeddedTritonServer, 
 from resnet18_kit.server.resources import python_backend_regions
 from resnet18_kit.tools.bench import gpu_env
 from resnet18_kit.tools.bench.gpu_bar import measure_bar
-from resnet18_kit.tools.bench.gpu_pack import GPU_VARIANT, MANIFEST, PAYLOAD, STUB_NUMPY_WHY, STUB_SITE
+from resnet18_kit.tools.bench.gpu_pack import (GPU_VARIANT, MANIFEST, PAYLOAD, STUB_NUMPY_WHY, STUB_SITE,
+                                              numpy_fits_stub)
 from resnet18_kit.tools.load.perf_analyzer import LoadSpec, PerfAnalyzerError, run_level
 from resnet18_kit.tools.load.photos import write_input_data
 
@@ -166,7 +167,7 @@ def stub_python(run: GpuContext) -> dict:
     if result.returncode != 0:
         why = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
         record["error"] = f"the stubs' imports (numpy, PIL, torch) fail in {python}: {why}"
-    elif record["numpy"] and int(record["numpy"].split(".")[0]) >= 2:
+    elif record["numpy"] and not numpy_fits_stub(record["numpy"]):
         record["error"] = f"the stubs would import numpy {record['numpy']}: {STUB_NUMPY_WHY}"
     return record
 
@@ -231,14 +232,16 @@ def serve(run: GpuContext, deadline: float) -> dict:
                                   refuse_first=False, exit_timeout_s=10)
     run.server = EmbeddedTritonServer(config, log_path=run.work / "tritonserver.log")
     ready_s = run.server.start(ready_timeout_s=max(10.0, deadline - time.monotonic() - 5))
-    url = f"http://{config.http_url}/v2/models/{TORCHSCRIPT_MODEL}/config"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        served = json.load(response)
-    with urllib.request.urlopen(f"http://{config.http_url}/v2/models/{PREPROCESS_MODEL}/config", timeout=10) as response:
-        preprocess = json.load(response)
+    served, preprocess = (config_over_http(config.http_url, model) for model in (TORCHSCRIPT_MODEL, PREPROCESS_MODEL))
     return {"ready_s": round(ready_s, 1), "variant": GPU_VARIANT, "instance_group": served.get("instance_group"),
             "preprocess_instance_group": preprocess.get("instance_group"),
             "max_batch_size": served.get("max_batch_size"), "stubs": sorted(run.server.stub_processes())}
+
+
+def config_over_http(http_url: str, model: str) -> dict:
+    """The config tritonserver at `http_url` ("host:port") serves for `model` (/v2/models/<model>/config)."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/config", timeout=10) as response:
+        return json.load(response)
 
 
 def tensors(run: GpuContext, deadline: float) -> dict:
