@@ -1,5 +1,6 @@
-"""docker-compose.yaml for real: the CPU images built from PyPI's wheels, the stack started, loaded, stopped,
-crashed and broken on a Docker engine, every request accounted for.
+"""docker-compose.yaml for real: the CPU images built from PyPI's wheels, the default services (with the
+monitoring profile's Prometheus beside them) started, loaded, scraped, swapped, crashed, stopped and broken on
+a Docker engine, every request accounted for. The fleet profile is tests/test_compose_fleet.py.
 
 The engine (the `engine` and `images` fixtures of conftest.py) is the user's (DOCKER_HOST, or Docker's
 default socket) when one answers, else a private dockerd of the checkout (resnet18_kit/containers/engine.py: its own socket, data root, exec root and
@@ -14,8 +15,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -28,67 +30,24 @@ from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.containers.compose import ComposePorts, ComposeProject
 from resnet18_kit.containers.engine import Engine
 from resnet18_kit.containers.image import IMAGE_TORCH, IMAGES
-from resnet18_kit.contract import ENSEMBLE_MODEL, REPO_ROOT, TORCHSCRIPT_MODEL
+from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT, TORCHSCRIPT_MODEL
+from resnet18_kit.server.model_control import ModelControl, swap, variant_targets
+from resnet18_kit.tools.reliability.compose_checks import BACK_WITHIN_S, GRACE_S, counts, crash, ready, wait_for
 from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
 from resnet18_kit.tools.reliability.loads import ensemble_load, onnx_load, reference_answers
 
 ADMIN_KEY = "compose-test-admin-key"
-#: docker-compose.yaml's stop_grace_period for Triton.
-GRACE_S = 40.0
-#: Seconds a replica or container may take to come back after its process was killed.
-BACK_WITHIN_S = 90.0
+#: The single project's services to wait for: Grafana (a registry image) is left out.
+SINGLE_SERVICES = ("triton", "prometheus")
+#: The triton service's command of docker-compose.yaml with the exit timeout at 15 s (an override replaces
+#: the whole list; compose fills in the variables).
+TRITON_COMMAND = ["--model-config-name=${TRITON_MODEL_CONFIG_NAME:-}", "--model-control=${TRITON_MODEL_CONTROL:-none}",
+                  "--exit-timeout-s=15"]
 
 
 def new_project(engine, tag: str, **options) -> ComposeProject:
     return ComposeProject(engine, f"r18test-{tag}-{os.getpid()}", ComposePorts.free(), options.pop("admin_key", ADMIN_KEY),
                           **options)
-
-
-def ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def grpc_ready(url: str) -> bool:
-    import tritonclient.grpc as grpcclient
-
-    try:
-        with grpcclient.InferenceServerClient(url) as client:
-            return client.is_server_ready(client_timeout=1.0)
-    except Exception:  # refused, 503 from HAProxy: not yet
-        return False
-
-
-def wait_for(what: str, condition, timeout_s: float, poll_s: float = 0.1) -> float:
-    """Seconds until condition() is true; fails naming `what` after timeout_s."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if condition():
-            return time.monotonic() - start
-        time.sleep(poll_s)
-    pytest.fail(f"not within {timeout_s:.0f} s: {what}")
-
-
-def counts(tally: Tally) -> str:
-    tries = {kind: len(values) for kind, values in sorted(tally.tries.items())}
-    return (f"sent {tally.sent}, answered {tally.answered}, refused {tally.refused}, failed {tally.failed}, "
-            f"lost {tally.lost}; tries {tries}")
-
-
-def ready_inside(project: ComposeProject, service: str) -> bool:
-    """/v2/health/ready answers 200 inside the service's container (a replica publishes no port)."""
-    probe = ("import urllib.request as u; u.urlopen('http://localhost:8000/v2/health/ready', timeout=1)")
-    result = project.engine.docker("exec", project.container(service), "python", "-c", probe, check=False, timeout_s=10)
-    return result.returncode == 0
-
-
-def crash(project: ComposeProject, service: str) -> None:
-    """SIGKILL the container's main process from the host, as the kernel's OOM killer or a crash would.
-    (`docker kill` counts as a manual stop: Docker then applies no restart policy.)"""
-    os.kill(project.state(service)["Pid"], signal.SIGKILL)
 
 
 def test_the_cpu_default_reserves_no_gpu_and_builds_every_image_it_runs_but_grafana():
@@ -120,16 +79,37 @@ def test_the_cpu_default_reserves_no_gpu_and_builds_every_image_it_runs_but_graf
     assert IMAGE_TORCH.startswith("torch==") and IMAGE_TORCH.endswith("+cpu") and pins["torch"] not in IMAGE_TORCH
 
 
+def monitoring_override(folder) -> dict:
+    """The test's copies of the shipped Prometheus config (scrape and evaluate every second) and rules
+    (`for:` 3 s) in `folder`; returns the compose override's prometheus service that mounts them."""
+    config = yaml.safe_load((REPO_ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    rules = yaml.safe_load((REPO_ROOT / "deploy/prometheus/rules/triton.rules.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.update({"for": "3s"} if "for" in rule else {})
+    (folder / "rules").mkdir()
+    (folder / "rules" / "triton.rules.yml").write_text(yaml.safe_dump(rules))
+    return {"volumes": [f"{folder / 'prometheus.yml'}:/etc/prometheus/prometheus.yml:ro",
+                        f"{folder / 'rules'}:/etc/prometheus/rules:ro"]}
+
+
 @pytest.fixture(scope="module")
 def single(engine, images, tmp_path_factory):
-    """`docker compose up --wait` of the default services (check-artifacts, triton) on free ports, with
-    tritonserver's exit timeout at 15 s (the compose file's: 30 s) so that the stop under keep-alive load is
-    shorter (with 5 s, the unload under a flood of refusals outlasted it once: exit 1 after 13.3 s)."""
-    override = tmp_path_factory.mktemp("single") / "override.yaml"
-    override.write_text(yaml.safe_dump({"services": {"triton": {"command": ["--exit-timeout-s=15"]}}}))
-    project = new_project(engine, "single", extra_files=(override,))
+    """`docker compose --profile monitoring up --wait triton prometheus` on free ports, model control
+    explicit (so that it can be swapped), tritonserver's exit timeout at 15 s (the compose file's: 30 s) so
+    that the stop under keep-alive load is shorter (with 5 s, the unload under a flood of refusals outlasted
+    it once: exit 1 after 13.3 s). Shared by the tests below in file order: classify, scrape and alert,
+    swap and re-create, crash, stop under load, down."""
+    folder = tmp_path_factory.mktemp("single")
+    override = folder / "override.yaml"
+    override.write_text(yaml.safe_dump({"services": {"triton": {"command": TRITON_COMMAND},
+                                                     "prometheus": monitoring_override(folder)}}))
+    project = new_project(engine, "single", profiles=("monitoring",), extra_files=(override,),
+                          settings={"TRITON_MODEL_CONTROL": "explicit"})
     try:  # an `up` that fails half-way leaves containers too
-        project.up_s = project.timed_up()
+        project.up_s = project.timed_up(*SINGLE_SERVICES)
         print(f"\ncompose up --wait: healthy in {project.up_s:.1f} s", flush=True)
         yield project
     finally:
@@ -157,6 +137,91 @@ def test_up_wait_is_healthy_and_classifies_like_the_embedded_server(single, trit
         metrics = response.read().decode()
     served = re.search(rf'^nv_inference_request_success{{model="{ENSEMBLE_MODEL}",version="1"}} (\d+)', metrics, re.M)
     assert served and int(served.group(1)) >= 2, metrics[:2000]  # these two requests, and the health probe's
+
+
+def test_prometheus_scrapes_triton_and_the_queue_alert_fires(single):
+    """Prometheus in its container scrapes the Triton container; under a flood of 96 gRPC clients the
+    overload alert fires (the test's copy of the config scrapes and evaluates every second, `for:` 3 s)."""
+    api = f"http://127.0.0.1:{single.ports.prometheus}/api/v1"
+
+    def get(path: str) -> dict:
+        with urllib.request.urlopen(f"{api}/{path}", timeout=5) as response:
+            return yaml.safe_load(response.read())["data"]
+
+    wait_for("Prometheus scrapes the Triton container", lambda: any(
+        t["labels"]["job"] == "triton" and t["health"] == "up" for t in get("targets")["activeTargets"]), 60, 0.5)
+    flood = FleetLoad(single.server_config(), "grpc", onnx_load(4), workers=96).start()
+    try:
+        firing_s = wait_for("TritonModelQueueNearlyFull firing", lambda: any(
+            a["labels"]["alertname"] == "TritonModelQueueNearlyFull" and a["state"] == "firing"
+            for a in get("alerts")["alerts"]), 120, 0.5)
+    finally:
+        tally = flood.stop()
+    print(f"\ncompose monitoring: the queue alert fired {firing_s:.1f} s into a flood of 96 gRPC clients; "
+          f"{counts(tally)}", flush=True)
+    assert tally.lost == 0
+
+
+def loads_with_both_answers(config, repository) -> list[FleetLoad]:
+    """Photos through the ensemble over HTTP and tensors to resnet18_onnx over gRPC (the cache never answers
+    those), each answer right under the default or the int8 config."""
+    photos, tensors = reference_answers(config, ensemble_load()), reference_answers(config, onnx_load(4))
+    with ModelControl(config.grpc_url, ADMIN_KEY) as control:
+        swap(control, variant_targets(repository, "int8"))
+        photos.also_expected = [reference_answers(config, ensemble_load()).expected]
+        tensors.also_expected = [reference_answers(config, onnx_load(4)).expected]
+        swap(control, variant_targets(repository, "default"))
+    return [FleetLoad(config, "http", photos, workers=1, retry=False, pause_s=0.002),
+            FleetLoad(config, "grpc", tensors, workers=2, retry=False, pause_s=0.002)]
+
+
+def serving(config) -> str:
+    with ModelControl(config.grpc_url, ADMIN_KEY) as control:
+        return control.served_config(ONNX_MODEL).parameters["model_filename"].string_value
+
+
+@pytest.mark.slow
+def test_the_container_swaps_live_with_nothing_failed_and_a_re_create_costs_the_restart(single, repository):
+    """docs/model-repository.md "Swapping configs", both ways: live, `resnet18-kit swap` against the published
+    gRPC port (default -> int8 -> default), nothing failed; then a new TRITON_MODEL_CONFIG_NAME=int8 and `up`
+    re-create the container, and the requests sent while it is down fail (the later tests run on int8)."""
+    config = single.server_config()
+    loads = loads_with_both_answers(config, repository)
+    for load in loads:
+        load.start()
+    time.sleep(2.0)
+    swaps_s = []
+    for variant in ("int8", "default"):
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "resnet18_kit", "swap", "--url", config.grpc_url,
+                               "--model-config-name", variant], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, TRITON_ADMIN_KEY=ADMIN_KEY))
+        swaps_s.append(time.monotonic() - started)
+        assert done.returncode == 0, done.stderr
+        assert serving(config) == ("model.int8.onnx" if variant == "int8" else "model.onnx")
+    time.sleep(1.0)
+    live = [load.stop() for load in loads]
+    print(f"\ncompose, live swap default -> int8 -> default: swaps {' / '.join(f'{s:.1f}' for s in swaps_s)} s "
+          "(command included); " + "; ".join(f"{p}: {counts(t)}" for p, t in zip(("http", "grpc"), live)),
+          flush=True)
+    for tally in live:
+        assert tally.answered > 10 and (tally.failed, tally.lost, tally.refused) == (0, 0, 0), tally.errors
+
+    recreate = ComposeProject(single.engine, single.name, single.ports, ADMIN_KEY, profiles=single.profiles,
+                              extra_files=single.files[1:],
+                              settings={"TRITON_MODEL_CONTROL": "explicit", "TRITON_MODEL_CONFIG_NAME": "int8"})
+    load = FleetLoad(config, "grpc", reference_answers(config, onnx_load(4)), workers=2, retry=False, pause_s=0.002)
+    load.load.also_expected, load.load.expected = [], []  # the answers change with the config: counts are measured
+    load.start()
+    time.sleep(1.0)
+    recreate_s = recreate.timed_up("triton")
+    time.sleep(1.0)
+    recreated = load.stop()
+    print(f"compose, re-create with TRITON_MODEL_CONFIG_NAME=int8: up --wait {recreate_s:.1f} s; grpc: "
+          f"{counts(recreated)}", flush=True)
+    assert serving(config) == "model.int8.onnx", single.engine.docker(
+        "logs", "--tail", "80", single.container("triton")).stdout
+    assert recreated.lost == 0 and recreated.failed > 0  # the requests sent while it was down
 
 
 def test_a_crashed_container_is_restarted_and_fails_requests_only_while_down(single):
@@ -262,122 +327,4 @@ def test_a_taken_port_is_named(engine, images):
         assert str(project.ports.http) in result.stderr.strip().splitlines()[-1], result.stderr
     finally:
         holder.close()
-        project.down()
-
-
-@pytest.fixture(scope="module")
-def fleet(engine, images):
-    """`docker compose --profile fleet` (three replicas behind HAProxy) on free ports, with model control
-    explicit so that its replicas can be swapped; shared by the replay and the swap tests, in that order."""
-    project = new_project(engine, "fleet", profiles=("fleet",), settings={"TRITON_MODEL_CONTROL": "explicit"})
-    try:  # an `up` that fails half-way leaves containers too
-        project.up_s = project.timed_up("haproxy")
-        print(f"\ncompose fleet profile: up in {project.up_s:.1f} s", flush=True)
-        yield project
-    finally:
-        project.down()
-
-
-@pytest.mark.slow
-def test_fleet_replays_what_a_killed_replica_held_no_error_to_a_plain_client(fleet):
-    front = fleet.server_config()
-    assert ready(front.http_url)  # haproxy's health check: healthy once a replica serves through it
-    wait_for("HAProxy's gRPC backend serves", lambda: grpc_ready(front.grpc_url), 10, 0.1)
-    loads = {protocol: FleetLoad(front, protocol, reference_answers(front, load), workers=4, retry=False)
-             for protocol, load in (("http", onnx_load(4)), ("grpc", ensemble_load()))}
-    for load in loads.values():
-        load.start()
-    time.sleep(3.0)
-    crash(fleet, "triton-2")
-    killed_at = time.monotonic()
-    wait_for("triton-2 restarted", lambda: fleet.restart_count("triton-2") >= 1, 30, 0.1)
-    wait_for("triton-2 ready again", lambda: ready_inside(fleet, "triton-2"), BACK_WITHIN_S, 0.3)
-    back_s = time.monotonic() - killed_at
-    time.sleep(2.0)
-    for protocol, load in loads.items():
-        tally = load.stop()
-        print(f"\ncompose fleet, triton-2 killed ({protocol}, no retries): replica ready again {back_s:.1f} s "
-              f"after the kill; {counts(tally)}", flush=True)
-        assert tally.failed == 0 and tally.lost == 0, tally.errors
-        assert tally.answered == tally.sent - tally.refused > 0
-    assert ready_inside(fleet, "triton-1") and ready_inside(fleet, "triton-3")
-
-
-@pytest.mark.slow
-def test_the_fleet_swaps_each_replica_live_then_a_re_created_replica_fails_nothing(fleet):
-    """Each replica swapped live to `int8` (`docker compose exec triton-N resnet18-kit swap`), then one
-    replica re-created with a new TRITON_MODEL_CONFIG_NAME (what `up -d --no-deps` does to each replica in
-    turn), under load through HAProxy from clients that never retry. One re-created replica shows the
-    mechanism (HAProxy takes the stopping replica out, the others serve); the others would repeat it."""
-    front = fleet.server_config()
-    photos, tensors = ensemble_load(), onnx_load(4)  # answers change with the config: counts are measured
-
-    def under_load(action) -> tuple[list[Tally], float]:
-        loads = [FleetLoad(front, "http", photos, workers=1, retry=False, pause_s=0.002).start(),
-                 FleetLoad(front, "grpc", tensors, workers=2, retry=False, pause_s=0.002).start()]
-        time.sleep(2.0)
-        started = time.monotonic()
-        action()
-        took_s = time.monotonic() - started
-        time.sleep(2.0)
-        return [load.stop() for load in loads], took_s
-
-    def exec_swaps() -> None:
-        for replica in ("triton-1", "triton-2", "triton-3"):
-            fleet.run("exec", "-T", replica, "resnet18-kit", "--model-repository", "/models", "swap",
-                      "--url", "localhost:8001", "--model-config-name", "int8")
-
-    recreate = ComposeProject(fleet.engine, fleet.name, fleet.ports, ADMIN_KEY, profiles=("fleet",),
-                              settings={"TRITON_MODEL_CONTROL": "explicit", "TRITON_MODEL_CONFIG_NAME": "default"})
-    runs = {"swap each replica (exec) default -> int8": under_load(exec_swaps),
-            "re-create triton-1 int8 -> default": under_load(
-                lambda: recreate.run("up", "-d", "--wait", "--no-deps", "triton-1"))}
-    for name, (tallies, took_s) in runs.items():
-        print(f"\ncompose fleet, {name}: {took_s:.1f} s; "
-              + "; ".join(f"{p}: {counts(t)}" for p, t in zip(("http", "grpc"), tallies)), flush=True)
-    for tally in runs["swap each replica (exec) default -> int8"][0]:
-        assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), tally.errors
-    for tally in runs["re-create triton-1 int8 -> default"][0]:  # --no-refuse-first: HAProxy takes it out first
-        assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), tally.errors
-
-
-def test_monitoring_profile_scrapes_triton_and_the_queue_alert_fires(engine, images, tmp_path):
-    """Prometheus in its container scrapes the Triton container; under a flood the overload alert fires.
-    The test's copy of the shipped config scrapes and evaluates every second, its rules hold `for:` 3 s."""
-    config = yaml.safe_load((REPO_ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    rules = yaml.safe_load((REPO_ROOT / "deploy/prometheus/rules/triton.rules.yml").read_text())
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            rule.update({"for": "3s"} if "for" in rule else {})
-    (tmp_path / "rules").mkdir()
-    (tmp_path / "rules" / "triton.rules.yml").write_text(yaml.safe_dump(rules))
-    override = tmp_path / "override.yaml"
-    override.write_text(yaml.safe_dump({"services": {"prometheus": {"volumes": [
-        f"{tmp_path / 'prometheus.yml'}:/etc/prometheus/prometheus.yml:ro",
-        f"{tmp_path / 'rules'}:/etc/prometheus/rules:ro"]}}}))
-    project = new_project(engine, "monitoring", profiles=("monitoring",), extra_files=(override,))
-    try:
-        project.timed_up("triton", "prometheus")
-        api = f"http://127.0.0.1:{project.ports.prometheus}/api/v1"
-
-        def get(path: str) -> dict:
-            with urllib.request.urlopen(f"{api}/{path}", timeout=5) as response:
-                return yaml.safe_load(response.read())["data"]
-
-        wait_for("Prometheus scrapes the Triton container", lambda: any(
-            t["labels"]["job"] == "triton" and t["health"] == "up" for t in get("targets")["activeTargets"]), 60, 0.5)
-        front = project.server_config()
-        flood = FleetLoad(front, "grpc", onnx_load(4), workers=96).start()
-        try:
-            firing_s = wait_for("TritonModelQueueNearlyFull firing", lambda: any(
-                a["labels"]["alertname"] == "TritonModelQueueNearlyFull" and a["state"] == "firing"
-                for a in get("alerts")["alerts"]), 120, 0.5)
-        finally:
-            tally = flood.stop()
-        print(f"\ncompose monitoring: the queue alert fired {firing_s:.1f} s into a flood of 96 gRPC clients; "
-              f"{counts(tally)}", flush=True)
-        assert tally.lost == 0
-    finally:
         project.down()

@@ -33,8 +33,9 @@ pytestmark = pytest.mark.live
 STUB_MODEL = "resnet18_slow_stub"  # tests/model_repository: 100 ms per execution, a queue of one
 TIMEOUT_MODEL = "reliability_timeout"  # the reliability models: 200 ms per execution, a queue of 16
 #: Rounds of the storm per test: 1-50 ms deadlines crashed an unguarded 2.51 server in 14 rounds of 20
-#: (docs/reliability.md), so 6 rounds without a crash are a 1-in-1,000 event there.
-STORM_ROUNDS = 6
+#: (docs/reliability.md), so a guard that let the storm through would pass 3 rounds once in 37 runs
+#: (0.3 ** 3); the strict xfail below stops at its first crash.
+STORM_ROUNDS = 3
 
 
 @pytest.fixture(scope="module")

@@ -41,9 +41,10 @@ def assert_nothing_failed(result: dict) -> None:
     assert len(result["swap_s"]) == len(swap_scenarios.SWAPS)
 
 
-def test_a_live_swap_under_load_fails_nothing(repository, tmp_path):
-    """default -> int8 -> default on one supervised server under HTTP and gRPC load through the ensemble."""
-    result = swap_scenarios.one_server(repository.root, tmp_path, before_s=3.0, after_s=2.0)
+def test_a_live_swap_under_load_fails_nothing(swappable, repository):
+    """default -> int8 -> default on one supervised server under HTTP and gRPC load through the ensemble
+    (`resnet18-kit reliability run --scenario swap` starts its own: swap_scenarios.one_server)."""
+    result = swap_scenarios.swaps_on(swappable, KEY, repository.root, before_s=3.0, after_s=2.0)
     show(result)
     assert_nothing_failed(result)
 

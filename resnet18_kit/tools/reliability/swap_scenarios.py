@@ -138,15 +138,25 @@ def one_server(repository: Path, workdir: Path, before_s: float = 5.0, after_s: 
     supervisor.start()
     start_s = time.monotonic() - started  # the cost of a swap by restart: every model loaded and warmed up
     try:
-        with ModelControl(config.grpc_url, key) as control:
-            files = ModelRepository(repository)
-            load, idle_s = right_answers(config, control, files)
-            result = _run_swaps(config, load, lambda variant: swap(control, variant_targets(files, variant)),
-                                lambda: [supervisor.server], before_s, after_s)
+        result = swaps_on(supervisor, key, repository, before_s, after_s)
     finally:
         supervisor.stop()
-    result.update(case="one server", faults=[e.detail for e in supervisor.events if e.kind == "fault"],
-                  idle_swap_s=idle_s, start_s=start_s)
+    result.update(start_s=start_s)
+    return result
+
+
+def swaps_on(supervisor: Supervisor, key: str, repository: Path, before_s: float = 5.0,
+             after_s: float = 3.0) -> dict:
+    """The swaps of `one_server` on a running supervised server with model control (admin key `key`),
+    which is left serving the default config; faults: those its supervisor reported meanwhile."""
+    config, events_before = supervisor.config, len(supervisor.events)
+    with ModelControl(config.grpc_url, key) as control:
+        files = ModelRepository(repository)
+        load, idle_s = right_answers(config, control, files)
+        result = _run_swaps(config, load, lambda variant: swap(control, variant_targets(files, variant)),
+                            lambda: [supervisor.server], before_s, after_s)
+    result.update(case="one server", idle_swap_s=idle_s,
+                  faults=[e.detail for e in supervisor.events[events_before:] if e.kind == "fault"])
     return result
 
 

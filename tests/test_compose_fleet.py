@@ -1,0 +1,98 @@
+"""docker-compose.yaml's fleet profile for real: three Triton replicas behind HAProxy, one project on free
+ports (a module fixture), a replica killed under load and each replica swapped live, from clients that
+never retry (FleetLoad(retry=False): each request's first try is its outcome). The engine is conftest.py's
+`engine` fixture; `pytest -s` prints the counts and times.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from resnet18_kit.containers.compose import ComposePorts, ComposeProject
+from resnet18_kit.tools.reliability.compose_checks import (BACK_WITHIN_S, counts, crash, grpc_ready, ready,
+                                                           ready_inside, wait_for)
+from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
+from resnet18_kit.tools.reliability.loads import ensemble_load, onnx_load, reference_answers
+
+ADMIN_KEY = "compose-fleet-test-admin-key"
+SETTINGS = {"TRITON_MODEL_CONTROL": "explicit"}
+
+
+@pytest.fixture(scope="module")
+def fleet(engine, images):
+    """`docker compose --profile fleet` (three replicas behind HAProxy) on free ports, with model control
+    explicit so that its replicas can be swapped; shared by the replay and the swap tests, in that order."""
+    project = ComposeProject(engine, f"r18test-fleet-{os.getpid()}", ComposePorts.free(), ADMIN_KEY,
+                             profiles=("fleet",), settings=SETTINGS)
+    try:  # an `up` that fails half-way leaves containers too
+        project.up_s = project.timed_up("haproxy")
+        print(f"\ncompose fleet profile: up in {project.up_s:.1f} s", flush=True)
+        yield project
+    finally:
+        project.down()
+    assert project.resources() == {"container": [], "network": [], "volume": []}
+
+
+@pytest.mark.slow
+def test_fleet_replays_what_a_killed_replica_held_no_error_to_a_plain_client(fleet):
+    front = fleet.server_config()
+    assert ready(front.http_url)  # haproxy's health check: healthy once a replica serves through it
+    wait_for("HAProxy's gRPC backend serves", lambda: grpc_ready(front.grpc_url), 10, 0.1)
+    loads = {protocol: FleetLoad(front, protocol, reference_answers(front, load), workers=4, retry=False)
+             for protocol, load in (("http", onnx_load(4)), ("grpc", ensemble_load()))}
+    for load in loads.values():
+        load.start()
+    time.sleep(3.0)
+    crash(fleet, "triton-2")
+    killed_at = time.monotonic()
+    wait_for("triton-2 restarted", lambda: fleet.restart_count("triton-2") >= 1, 30, 0.1)
+    wait_for("triton-2 ready again", lambda: ready_inside(fleet, "triton-2"), BACK_WITHIN_S, 0.3)
+    back_s = time.monotonic() - killed_at
+    time.sleep(2.0)
+    for protocol, load in loads.items():
+        tally = load.stop()
+        print(f"\ncompose fleet, triton-2 killed ({protocol}, no retries): replica ready again {back_s:.1f} s "
+              f"after the kill; {counts(tally)}", flush=True)
+        assert tally.failed == 0 and tally.lost == 0, tally.errors
+        assert tally.answered == tally.sent - tally.refused > 0
+    assert ready_inside(fleet, "triton-1") and ready_inside(fleet, "triton-3")
+
+
+@pytest.mark.slow
+def test_the_fleet_swaps_each_replica_live_then_a_re_created_replica_fails_nothing(fleet):
+    """Each replica swapped live to `int8` (`docker compose exec triton-N resnet18-kit swap`), then one
+    replica re-created with a new TRITON_MODEL_CONFIG_NAME (what `up -d --no-deps` does to each replica in
+    turn), under load through HAProxy from clients that never retry. One re-created replica shows the
+    mechanism (HAProxy takes the stopping replica out, the others serve); the others would repeat it."""
+    front = fleet.server_config()
+    photos, tensors = ensemble_load(), onnx_load(4)  # answers change with the config: counts are measured
+
+    def under_load(action) -> tuple[list[Tally], float]:
+        loads = [FleetLoad(front, "http", photos, workers=1, retry=False, pause_s=0.002).start(),
+                 FleetLoad(front, "grpc", tensors, workers=2, retry=False, pause_s=0.002).start()]
+        time.sleep(2.0)
+        started = time.monotonic()
+        action()
+        took_s = time.monotonic() - started
+        time.sleep(2.0)
+        return [load.stop() for load in loads], took_s
+
+    def exec_swaps() -> None:
+        for replica in ("triton-1", "triton-2", "triton-3"):
+            fleet.run("exec", "-T", replica, "resnet18-kit", "--model-repository", "/models", "swap",
+                      "--url", "localhost:8001", "--model-config-name", "int8")
+
+    recreate = ComposeProject(fleet.engine, fleet.name, fleet.ports, ADMIN_KEY, profiles=("fleet",),
+                              settings=SETTINGS | {"TRITON_MODEL_CONFIG_NAME": "default"})
+    runs = {"swap each replica (exec) default -> int8": under_load(exec_swaps),
+            "re-create triton-1 int8 -> default": under_load(
+                lambda: recreate.run("up", "-d", "--wait", "--no-deps", "triton-1"))}
+    for name, (tallies, took_s) in runs.items():
+        print(f"\ncompose fleet, {name}: {took_s:.1f} s; "
+              + "; ".join(f"{p}: {counts(t)}" for p, t in zip(("http", "grpc"), tallies)), flush=True)
+    for tally in runs["swap each replica (exec) default -> int8"][0]:
+        assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), tally.errors
+    for tally in runs["re-create triton-1 int8 -> default"][0]:  # --no-refuse-first: HAProxy takes it out first
+        assert tally.answered > 10 and (tally.failed, tally.lost) == (0, 0), tally.errors
