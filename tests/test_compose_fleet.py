@@ -11,7 +11,8 @@ import time
 import pytest
 
 from resnet18_kit.containers.compose import ComposePorts, ComposeProject
-from resnet18_kit.tools.reliability.compose_checks import (BACK_WITHIN_S, counts, crash, grpc_ready, ready,
+from resnet18_kit.server.embedded import answers_ready
+from resnet18_kit.tools.reliability.compose_checks import (BACK_WITHIN_S, counts, crash, grpc_ready,
                                                            ready_inside, wait_for)
 from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
 from resnet18_kit.tools.reliability.loads import ensemble_load, onnx_load, reference_answers
@@ -38,7 +39,8 @@ def fleet(engine, images):
 @pytest.mark.slow
 def test_fleet_replays_what_a_killed_replica_held_no_error_to_a_plain_client(fleet):
     front = fleet.server_config()
-    assert ready(front.http_url)  # haproxy's health check: healthy once a replica serves through it
+    # haproxy's health check: healthy once a replica serves through it
+    assert answers_ready(front.http_url, timeout_s=1.0)
     wait_for("HAProxy's gRPC backend serves", lambda: grpc_ready(front.grpc_url), 10, 0.1)
     loads = {protocol: FleetLoad(front, protocol, reference_answers(front, load), workers=4, retry=False)
              for protocol, load in (("http", onnx_load(4)), ("grpc", ensemble_load()))}

@@ -32,7 +32,8 @@ from resnet18_kit.containers.engine import Engine
 from resnet18_kit.containers.image import IMAGE_TORCH, IMAGES
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT, TORCHSCRIPT_MODEL
 from resnet18_kit.server.model_control import ModelControl, swap, variant_targets
-from resnet18_kit.tools.reliability.compose_checks import BACK_WITHIN_S, GRACE_S, counts, crash, ready, wait_for
+from resnet18_kit.server.embedded import answers_ready
+from resnet18_kit.tools.reliability.compose_checks import BACK_WITHIN_S, GRACE_S, counts, crash, wait_for
 from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
 from resnet18_kit.tools.reliability.loads import ensemble_load, onnx_load, reference_answers
 
@@ -230,8 +231,9 @@ def test_a_crashed_container_is_restarted_and_fails_requests_only_while_down(sin
     time.sleep(2.0)
     crash(single, "triton")
     killed_at = time.monotonic()
-    wait_for("the endpoint refuses (container down)", lambda: not ready(config.http_url), 10, 0.02)
-    wait_for("the restarted container is ready", lambda: ready(config.http_url), BACK_WITHIN_S)
+    wait_for("the endpoint refuses (container down)", lambda: not answers_ready(config.http_url, timeout_s=1.0),
+             10, 0.02)
+    wait_for("the restarted container is ready", lambda: answers_ready(config.http_url, timeout_s=1.0), BACK_WITHIN_S)
     back_s = time.monotonic() - killed_at
     time.sleep(2.0)
     during = load.stop()

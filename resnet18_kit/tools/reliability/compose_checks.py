@@ -1,5 +1,6 @@
-"""What the live compose scenarios ask of a running project: is an endpoint ready, wait until something
-holds, kill a container's main process as a crash would, one line of a load's counts.
+"""What the live compose scenarios ask of a running project: is its gRPC endpoint ready (HTTP readiness is
+server.embedded.answers_ready), wait until something holds, kill a container's main process as a crash
+would, one line of a load's counts.
 
 Used by tests/test_compose_live.py (the default services) and tests/test_compose_fleet.py (the fleet
 profile); every project they start has its own name and free ports on 127.0.0.1.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import urllib.request
 
 from resnet18_kit.containers.compose import ComposeProject
 from resnet18_kit.tools.reliability.fleet_load import Tally
@@ -19,15 +19,6 @@ GRACE_S = 40.0
 #: Seconds a replica or container may take to come back after its process was killed (2-core machine,
 #: the other containers serving load meanwhile).
 BACK_WITHIN_S = 90.0
-
-
-def ready(url: str) -> bool:
-    """True when http://`url`/v2/health/ready answers 200 within 1 s."""
-    try:
-        with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=1) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def grpc_ready(url: str) -> bool:
