@@ -244,10 +244,14 @@ def test_overload_alert_goes_pending_then_firing_and_clears(prometheus, flood):
     print(f"[+{stop_at:5.1f} s] {stop_wall} flood stopped: {flood.counts}", flush=True)
     watch("inactive", timeout_s=30)
     states = [state for _, _, state, _ in changes]
-    assert states == ["inactive", "pending", "firing", "inactive"], changes
-    pending_s, firing_s = changes[1][0], changes[2][0]
+    # A dip of the queue fill under the threshold for one evaluation (2 busy cores) sends a pending alert
+    # back to inactive, and `for:` starts again: that is the rule working, so pending/inactive may repeat
+    # before it fires; it must fire once and then clear.
+    assert states[-3:] == ["pending", "firing", "inactive"] and states.count("firing") == 1, changes
+    assert set(states[:-3]) <= {"inactive", "pending"}, changes
+    pending_s, firing_s = changes[-3][0], changes[-2][0]
     assert firing_s - pending_s >= TEST_FOR_S - 0.5, changes  # `for:` held it pending first
-    assert changes[2][3] >= 0.75 and changes[3][0] - stop_at < 20, changes
+    assert changes[-2][3] >= 0.75 and changes[-1][0] - stop_at < 20, changes
     assert flood.counts["answered"] > 0 and flood.counts["refused"] > 0, flood.counts
 
 

@@ -211,9 +211,12 @@ def replica_killed(repository: Path, workdir: Path, replicas: int = 3, retry: bo
     so clients that never retry (retry=False) see no error either."""
     def kill(fleet: Fleet) -> dict:
         server = fleet.supervisors[1].server
-        server.process.kill()
+        # The guard, the replica's front door, dies first: killed after tritonserver, it would live on for a
+        # moment and answer the requests it holds with UNAVAILABLE ("failed to connect"), a proper gRPC
+        # reply HAProxy cannot replay, where a crashed host answers nothing at all.
         if server.guard is not None:
             server.guard.process.kill()
+        server.process.kill()
         return watch_pool(fleet, 1)
 
     with Fleet(fleet_config(repository, workdir, replicas, take_out_on_fault=False)) as fleet:
