@@ -78,9 +78,11 @@ class ModelRepository:
 
     @property
     def generated(self) -> tuple[Path, ...]:
-        """Every file the export writes."""
-        return (self.onnx_path, self.onnx_int8_path, self.torchscript_path, *self.provenance_paths,
-                self.warmup_image_path)
+        """Every file the export writes into the models this repository holds (<model>/config.pbtxt present):
+        a repository without the TorchScript model's folder, for one, needs no model.pt."""
+        files = (self.onnx_path, self.onnx_int8_path, self.torchscript_path, *self.provenance_paths,
+                 self.warmup_image_path)
+        return tuple(path for path in files if (path.parents[1] / "config.pbtxt").is_file())
 
     def holds_the_kit_models(self) -> bool:
         """True when this repository has the kit's network models (so the export's files belong in it);

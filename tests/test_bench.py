@@ -73,7 +73,7 @@ def test_swept_configs_are_the_repositorys_cpu_variants(repository):
 def test_config_switch_is_what_the_server_loaded(tmp_path, repository):
     """--model-config-name=throughput really serves configs/throughput.pbtxt (read back from the server)."""
     config = config_on_free_ports(model_config_name="throughput", model_repository=repository.root)
-    with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log"):
+    with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log", drain_on_exit=False):
         with TritonClassifierClient(config.http_url, "http") as client:
             served = served_config(client, ONNX_MODEL)
             default_of_other_model = client.model_config("resnet18_torchscript")["max_batch_size"]

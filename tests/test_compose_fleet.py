@@ -18,15 +18,22 @@ from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
 from resnet18_kit.tools.reliability.loads import ensemble_load, onnx_load, reference_answers
 
 ADMIN_KEY = "compose-fleet-test-admin-key"
-SETTINGS = {"TRITON_MODEL_CONTROL": "explicit"}
 
 
 @pytest.fixture(scope="module")
-def fleet(engine, images):
-    """`docker compose --profile fleet` (three replicas behind HAProxy) on free ports, with model control
-    explicit so that its replicas can be swapped; shared by the replay and the swap tests, in that order."""
+def compose_settings(ensemble_repository) -> dict[str, str]:
+    """Model control explicit, so that the replicas can be swapped, and the ensemble's models only
+    (TRITON_MODEL_REPOSITORY): each replica starts and restarts without loading torch; the `single`
+    project of test_compose_live serves the whole shipped repository."""
+    return {"TRITON_MODEL_CONTROL": "explicit", "TRITON_MODEL_REPOSITORY": str(ensemble_repository.root)}
+
+
+@pytest.fixture(scope="module")
+def fleet(engine, images, compose_settings):
+    """`docker compose --profile fleet` (three replicas behind HAProxy) on free ports (`compose_settings`);
+    shared by the replay and the swap tests, in that order."""
     project = ComposeProject(engine, f"r18test-fleet-{os.getpid()}", ComposePorts.free(), ADMIN_KEY,
-                             profiles=("fleet",), settings=SETTINGS)
+                             profiles=("fleet",), settings=compose_settings)
     try:  # an `up` that fails half-way leaves containers too
         project.up_s = project.timed_up("haproxy")
         print(f"\ncompose fleet profile: up in {project.up_s:.1f} s", flush=True)
@@ -63,7 +70,7 @@ def test_fleet_replays_what_a_killed_replica_held_no_error_to_a_plain_client(fle
 
 
 @pytest.mark.slow
-def test_the_fleet_swaps_each_replica_live_then_a_re_created_replica_fails_nothing(fleet):
+def test_the_fleet_swaps_each_replica_live_then_a_re_created_replica_fails_nothing(fleet, compose_settings):
     """Each replica swapped live to `int8` (`docker compose exec triton-N resnet18-kit swap`), then one
     replica re-created with a new TRITON_MODEL_CONFIG_NAME (what `up -d --no-deps` does to each replica in
     turn), under load through HAProxy from clients that never retry. One re-created replica shows the
@@ -87,7 +94,7 @@ def test_the_fleet_swaps_each_replica_live_then_a_re_created_replica_fails_nothi
                       "--url", "localhost:8001", "--model-config-name", "int8")
 
     recreate = ComposeProject(fleet.engine, fleet.name, fleet.ports, ADMIN_KEY, profiles=("fleet",),
-                              settings=SETTINGS | {"TRITON_MODEL_CONFIG_NAME": "default"})
+                              settings=compose_settings | {"TRITON_MODEL_CONFIG_NAME": "default"})
     runs = {"swap each replica (exec) default -> int8": under_load(exec_swaps),
             "re-create triton-1 int8 -> default": under_load(
                 lambda: recreate.run("up", "-d", "--wait", "--no-deps", "triton-1"))}

@@ -117,7 +117,8 @@ def served(tmp_path_factory, repository):
     if repository.missing_artifacts():
         pytest.fail("model files missing: run `make export` first")
     config = config_on_free_ports(model_repository=repository.root)
-    with EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("served") / "tritonserver.log") as server:
+    with EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("served") / "tritonserver.log",
+                              drain_on_exit=False) as server:
         yield server
 
 

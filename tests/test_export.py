@@ -10,6 +10,7 @@ import pytest
 import torch
 import torchvision
 
+from resnet18_kit.contract import TORCHSCRIPT_MODEL
 from resnet18_kit.export import ensure_exported, export_command, export_needed
 from resnet18_kit.export import resnet18 as r18
 from resnet18_kit.repository import ModelRepository
@@ -109,6 +110,18 @@ def test_ensure_exported_exports_into_the_repository_it_is_given(tmp_path, repos
     (echo_only.root / "reliability_echo" / "config.pbtxt").write_text('name: "reliability_echo"')
     ensure_exported(echo_only)
     assert len(calls) == 1
+
+
+def test_a_repository_without_a_model_needs_none_of_its_files(tmp_path, repository):
+    """A copy without the TorchScript model's folder (what a server of the ensemble alone needs) lacks no
+    model.pt, so serve starts it as it is; remove the ONNX file too and that one is missing."""
+    subset = ModelRepository(tmp_path / "models")
+    shutil.copytree(repository.root, subset.root, ignore=lambda folder, names: (
+        [TORCHSCRIPT_MODEL] if folder == str(repository.root) else []))
+    assert subset.torchscript_path not in subset.generated and repository.torchscript_path in repository.generated
+    assert export_needed(subset) is None and subset.missing_artifacts() == []
+    subset.onnx_path.unlink()
+    assert subset.missing_artifacts() == [subset.onnx_path]
 
 
 def test_the_export_records_whether_the_weights_are_meaningful_in_the_ensemble_config(repository, tmp_path):

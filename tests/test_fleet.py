@@ -105,8 +105,8 @@ def test_an_overloaded_fleet_refuses_fast_and_loses_nothing(light, tmp_path):
     assert row["lowest_up"] == 2, row  # a queue-full 503 never takes a replica out
 
 
-def test_the_ensemble_on_photos_through_the_fleet(settings, tmp_path):
-    rows = fleet_scenarios.ensemble(settings.model_repository, tmp_path, replicas=2, requests=24)
+def test_the_ensemble_on_photos_through_the_fleet(ensemble_repository, tmp_path):
+    rows = fleet_scenarios.ensemble(ensemble_repository.root, tmp_path, replicas=2, requests=24)
     show(rows)
     for row in rows:
         nothing_lost(row)

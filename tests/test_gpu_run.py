@@ -151,7 +151,7 @@ def test_the_dry_run_runs_every_step_from_the_bundle_with_a_gpu_machines_package
 
 
 @pytest.mark.live
-def test_triton_251_stubs_misread_numpy_2_arrays_which_the_gpu_run_avoids(repository, tmp_path):
+def test_triton_251_stubs_misread_numpy_2_arrays_which_the_gpu_run_avoids(ensemble_repository, tmp_path):
     """Upstream: Triton 2.51's stub (pybind11 2.10) builds every array with item size 0 under numpy 2, so the
     preprocess warmup's BYTES length reads its first byte four times and the stub dies (fixed in 2.52). The
     GPU machine's python3 has numpy 2: `bench gpu` gives the stubs an environment with numpy<2
@@ -166,7 +166,7 @@ def test_triton_251_stubs_misread_numpy_2_arrays_which_the_gpu_run_avoids(reposi
     probe = subprocess.run([str(stub_python), "-c", "import numpy; print(numpy.__version__)"],
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "2.2.6", probe.stderr
-    config = config_on_free_ports(model_repository=repository.root, stub_python=stub_python,
+    config = config_on_free_ports(model_repository=ensemble_repository.root, stub_python=stub_python,
                                   refuse_first=False, exit_timeout_s=5)
     server = EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log")
     try:
@@ -175,6 +175,6 @@ def test_triton_251_stubs_misread_numpy_2_arrays_which_the_gpu_run_avoids(reposi
     finally:
         server.stop()
     log = (tmp_path / "tritonserver.log").read_text(errors="replace")
-    warmup = repository.warmup_image_path.read_bytes()
+    warmup = ensemble_repository.warmup_image_path.read_bytes()
     misread = int.from_bytes(warmup[:1] * 4, "little")  # the length's first byte, four times
     assert f"unpacking {misread} bytes at offset 4 (actual buffer size is {len(warmup)})" in log, log[-3000:]

@@ -184,7 +184,7 @@ def triton(tmp_path_factory):
                                   log_path=tmp_path_factory.mktemp("triton") / "tritonserver.log")
     server.start()
     yield server
-    server.stop()
+    server.stop(drain_s=0)
 
 
 @pytest.fixture(scope="module")

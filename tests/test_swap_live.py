@@ -41,26 +41,26 @@ def assert_nothing_failed(result: dict) -> None:
     assert len(result["swap_s"]) == len(swap_scenarios.SWAPS)
 
 
-def test_a_live_swap_under_load_fails_nothing(swappable, repository):
+def test_a_live_swap_under_load_fails_nothing(swappable, ensemble_repository):
     """default -> int8 -> default on one supervised server under HTTP and gRPC load through the ensemble
     (`resnet18-kit reliability run --scenario swap` starts its own: swap_scenarios.one_server)."""
-    result = swap_scenarios.swaps_on(swappable, KEY, repository.root, before_s=3.0, after_s=2.0)
+    result = swap_scenarios.swaps_on(swappable, KEY, ensemble_repository.root, before_s=3.0, after_s=2.0)
     show(result)
     assert_nothing_failed(result)
 
 
-def test_a_rolling_swap_of_a_fleet_fails_nothing_for_a_client_that_never_retries(repository, tmp_path):
+def test_a_rolling_swap_of_a_fleet_fails_nothing_for_a_client_that_never_retries(ensemble_repository, tmp_path):
     """The same on a fleet of 2, each replica drained in HAProxy, swapped and put back in turn (one serves
     while the other is swapped: a third replica would repeat the same step)."""
-    result = swap_scenarios.fleet(repository.root, tmp_path, replicas=2, before_s=3.0, after_s=2.0)
+    result = swap_scenarios.fleet(ensemble_repository.root, tmp_path, replicas=2, before_s=3.0, after_s=2.0)
     show(result)
     assert_nothing_failed(result)
 
 
 @pytest.fixture(scope="module")
-def swappable(repository, tmp_path_factory):
+def swappable(ensemble_repository, tmp_path_factory):
     """A supervised server with model control (as `serve --model-control explicit` runs one)."""
-    config = config_on_free_ports(model_repository=repository.root, model_control="explicit", admin_key=KEY,
+    config = config_on_free_ports(model_repository=ensemble_repository.root, model_control="explicit", admin_key=KEY,
                                   triton_grpc_port=free_ports(1)[0])
     supervisor = Supervisor(config, SupervisorPolicy(queue_warnings=False),
                             log_path=tmp_path_factory.mktemp("swappable") / "tritonserver.log",
@@ -69,12 +69,13 @@ def swappable(repository, tmp_path_factory):
     try:
         yield supervisor
     finally:
-        supervisor.stop()
+        supervisor.stop(hurry=True)
 
 
 def swap_command(config, *args: str, key: str | None = KEY) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_ADMIN_KEY"} | ({"TRITON_ADMIN_KEY": key} if key else {})
-    return subprocess.run([sys.executable, "-m", "resnet18_kit", "swap", "--url", config.grpc_url, *args],
+    return subprocess.run([sys.executable, "-m", "resnet18_kit", "--model-repository", str(config.model_repository),
+                           "swap", "--url", config.grpc_url, *args],
                           capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -83,11 +84,11 @@ def runtime(config) -> str:
         return control.served_config(ONNX_MODEL).parameters["model_filename"].string_value
 
 
-def test_a_failed_swap_changes_nothing_and_the_old_config_answers_throughout(swappable, repository, tmp_path):
+def test_a_failed_swap_changes_nothing_and_the_old_config_answers_throughout(swappable, ensemble_repository, tmp_path):
     """Each bad swap: one line naming the problem, a non-zero exit, resnet18_onnx still on model.onnx, and
     every request sent meanwhile (HTTP and gRPC, through the ensemble) answered by it."""
     config = swappable.config
-    source = repository.config_path(ONNX_MODEL).read_text()
+    source = ensemble_repository.config_path(ONNX_MODEL).read_text()
     small = tmp_path / "small.pbtxt"
     small.write_text(source.replace("max_batch_size: 16", "max_batch_size: 8"))
     renamed = tmp_path / "renamed.pbtxt"
@@ -118,7 +119,8 @@ def test_a_failed_swap_changes_nothing_and_the_old_config_answers_throughout(swa
         assert control.ready(ENSEMBLE_MODEL)
 
 
-def test_after_a_swap_a_dead_stub_still_restarts_the_server_which_keeps_the_swapped_config(swappable, repository):
+def test_after_a_swap_a_dead_stub_still_restarts_the_server_which_keeps_the_swapped_config(
+        swappable, ensemble_repository):
     """Swap to int8, kill one of its new stubs: the supervisor counts the swap's stubs leaving as no fault,
     the killed one as a fault, restarts the server and loads int8 back; requests are answered again."""
     config = swappable.config
@@ -144,11 +146,11 @@ def test_after_a_swap_a_dead_stub_still_restarts_the_server_which_keeps_the_swap
     tally = FleetLoad(config, "grpc", load, workers=1, retry=False, limit=10).start().wait()
     assert tally.answered == 10, tally.errors
     with ModelControl(config.grpc_url, KEY) as control:
-        swap(control, variant_targets(repository, "default"))
+        swap(control, variant_targets(ensemble_repository, "default"))
     assert runtime(config) == "model.onnx"
 
 
-def test_a_swap_sent_onto_a_dead_stub_falls_back_to_the_supervisors_restart(swappable, repository):
+def test_a_swap_sent_onto_a_dead_stub_falls_back_to_the_supervisors_restart(swappable, ensemble_repository):
     """A stub killed just before a swap: the supervisor restarts the server (a swap would leave the dead
     instance behind, which never unloads); the swap says it failed or completes on the restarted server,
     and a swap sent again serves the new config."""
@@ -169,7 +171,7 @@ def test_a_swap_sent_onto_a_dead_stub_falls_back_to_the_supervisors_restart(swap
     tally = FleetLoad(config, "grpc", ensemble_load(), workers=1, retry=False, limit=10).start().wait()
     assert tally.answered == 10, tally.errors
     with ModelControl(config.grpc_url, KEY) as control:
-        swap(control, variant_targets(repository, "default"))
+        swap(control, variant_targets(ensemble_repository, "default"))
 
 
 def test_serve_refuses_model_control_without_an_admin_key(tmp_path):
@@ -182,7 +184,8 @@ def test_serve_refuses_model_control_without_an_admin_key(tmp_path):
     assert "--model-control explicit needs an admin key" in done.stderr
 
 
-def test_triton_251_answers_an_image_seen_before_a_swap_from_its_cache_with_the_old_config(repository, tmp_path):
+def test_triton_251_answers_an_image_seen_before_a_swap_from_its_cache_with_the_old_config(
+        ensemble_repository, tmp_path):
     """Triton 2.51 keys the response cache by model, version and inputs, not config: after a swap to int8 a
     photo the ensemble answered before is answered with the default config's logits, a new photo with
     int8's. The swap says so (stale_cache_note)."""
@@ -193,10 +196,10 @@ def test_triton_251_answers_an_image_seen_before_a_swap_from_its_cache_with_the_
     from resnet18_kit.server.config import DEFAULT_CACHE_BYTES
     from resnet18_kit.server.embedded import EmbeddedTritonServer
 
-    config = config_on_free_ports(model_repository=repository.root, model_control="explicit", admin_key=KEY,
+    config = config_on_free_ports(model_repository=ensemble_repository.root, model_control="explicit", admin_key=KEY,
                                   response_cache_bytes=DEFAULT_CACHE_BYTES)
     photo = sample_photo_bytes()
-    with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log"):
+    with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log", drain_on_exit=False):
         client = grpcclient.InferenceServerClient(config.grpc_url)
 
         def logits(image: bytes) -> np.ndarray:
@@ -207,9 +210,9 @@ def test_triton_251_answers_an_image_seen_before_a_swap_from_its_cache_with_the_
         before, fresh_before = logits(photo), logits(tagged(photo, "fresh-before"))
         control, lines = ModelControl(config.grpc_url, KEY), []
         try:
-            swap(control, variant_targets(repository, "int8"), on_line=lines.append)
+            swap(control, variant_targets(ensemble_repository, "int8"), on_line=lines.append)
             after, fresh_after = logits(photo), logits(tagged(photo, "fresh-after"))
-            swap(control, variant_targets(repository, "default"))
+            swap(control, variant_targets(ensemble_repository, "default"))
         finally:
             control.close()
             client.close()
@@ -224,7 +227,8 @@ def sample_photo_bytes() -> bytes:
     return sample_photos()[0].read_bytes()
 
 
-def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loads_over_grpc(repository, tmp_path):
+def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loads_over_grpc(
+        ensemble_repository, tmp_path):
     """Triton 2.51 answers an HTTP model load on an HTTP worker thread and holds the HTTP requests of that
     thread's connections until the load is done (server issues 8117, 8958; fix proposed in PR 8737, in no
     release yet). Two HTTP clients send tensors while resnet18_onnx is swapped, 4 times over HTTP and 4
@@ -239,7 +243,7 @@ def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loa
     from resnet18_kit.server.config import ADMIN_HEADER
     from resnet18_kit.server.embedded import EmbeddedTritonServer
 
-    config = config_on_free_ports(model_repository=repository.root, model_control="explicit", admin_key=KEY)
+    config = config_on_free_ports(model_repository=ensemble_repository.root, model_control="explicit", admin_key=KEY)
 
     def longest_wait(load) -> tuple[float, float]:
         """(longest HTTP request in s, the load's s) while `load()` runs."""
@@ -267,14 +271,14 @@ def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loa
         return max(latencies), took_s
 
     variants = ["int8", "default"] * 2
-    with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log"), \
+    with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log", drain_on_exit=False), \
             httpclient.InferenceServerClient(config.http_url, network_timeout=120) as http, \
             ModelControl(config.grpc_url, KEY) as control:
         over_http = [longest_wait(lambda v=v: http.load_model(
             ONNX_MODEL, headers={ADMIN_HEADER: KEY},
-            config=json_format.MessageToJson(variant_targets(repository, v, [ONNX_MODEL])[0].config)))
+            config=json_format.MessageToJson(variant_targets(ensemble_repository, v, [ONNX_MODEL])[0].config)))
             for v in variants]
-        over_grpc = [longest_wait(lambda v=v: swap(control, variant_targets(repository, v, [ONNX_MODEL])))
+        over_grpc = [longest_wait(lambda v=v: swap(control, variant_targets(ensemble_repository, v, [ONNX_MODEL])))
                      for v in variants]
     print(f"\nlongest HTTP request / load, s: over HTTP {over_http}; over gRPC {over_grpc}", flush=True)
     assert any(wait_s >= 0.8 * took_s for wait_s, took_s in over_http), over_http

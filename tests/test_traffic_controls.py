@@ -37,19 +37,21 @@ def show(record) -> None:
 
 
 @pytest.fixture(scope="module")
-def cached_server(repository, tmp_path_factory):
+def cached_server(ensemble_repository, tmp_path_factory):
     """serve's arrangement: the guard in front, the default response cache."""
-    config = config_on_free_ports(model_repository=repository.root, response_cache_bytes=DEFAULT_CACHE_BYTES,
+    config = config_on_free_ports(model_repository=ensemble_repository.root, response_cache_bytes=DEFAULT_CACHE_BYTES,
                                   triton_grpc_port=free_ports(1)[0])
-    with EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("cached") / "tritonserver.log"):
+    with EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("cached") / "tritonserver.log",
+                              drain_on_exit=False):
         yield config
 
 
 @pytest.fixture(scope="module")
-def uncached_server(repository, tmp_path_factory):
+def uncached_server(ensemble_repository, tmp_path_factory):
     """The same without a cache: every request is computed."""
-    config = config_on_free_ports(model_repository=repository.root, triton_grpc_port=free_ports(1)[0])
-    with EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("uncached") / "tritonserver.log"):
+    config = config_on_free_ports(model_repository=ensemble_repository.root, triton_grpc_port=free_ports(1)[0])
+    with EmbeddedTritonServer(config, log_path=tmp_path_factory.mktemp("uncached") / "tritonserver.log",
+                              drain_on_exit=False):
         yield config
 
 

@@ -167,13 +167,18 @@ class EmbeddedTritonServer:
         default: the server must then be started from a thread that outlives it.
     shm_prefix: the name prefix of this server's Python-backend regions in /dev/shm, new for each
         instance ("triton_python_backend_shm_region_<pid>x<n>_"); stop() removes what is left under it.
+    drain_on_exit: leaving the `with` block stops gracefully (stop(): seconds, as the Python backend
+        sleeps 1 s in the server before it finalizes each model instance); False kills it at once
+        (stop(drain_s=0): what it still holds fails, its shared memory is removed all the same), for a
+        server whose requests no longer matter then, such as a measurement's.
     """
 
     def __init__(self, config: ServerConfig = ServerConfig(), log_path: Path | None = None,
-                 die_with_parent: bool = False):
+                 die_with_parent: bool = False, drain_on_exit: bool = True):
         self.config = config
         self.log_path = log_path
         self.die_with_parent = die_with_parent
+        self.drain_on_exit = drain_on_exit
         self.shm_prefix = f"{PYTHON_BACKEND_SHM_PREFIX}{os.getpid()}x{next(_starts)}_"
         #: The key of the model-control API (server_command): the user's admin key with model control
         #: "explicit", else one made here that nobody else holds; stop() unloads the models with it.
@@ -353,4 +358,4 @@ class EmbeddedTritonServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.stop() if self.drain_on_exit else self.stop(drain_s=0)

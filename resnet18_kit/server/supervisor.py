@@ -367,8 +367,12 @@ class Supervisor:
     def _run_in_thread(self) -> None:
         self.exit_status = self.run(self._stop)
 
-    def stop(self, timeout_s: float | None = None) -> int | None:
-        """Stop the background supervisor and its server; returns run()'s status."""
+    def stop(self, timeout_s: float | None = None, hurry: bool = False) -> int | None:
+        """Stop the background supervisor and its server, waiting up to `timeout_s` seconds (None: until it
+        has stopped); returns run()'s status. hurry: no drain (what the server holds fails; its processes
+        are killed at once, their shared memory removed), for a server whose requests no longer matter."""
+        if hurry:
+            self._stop.hurry()
         self._stop.request()
         if self._thread is not None:
             self._thread.join(timeout_s)
