@@ -126,7 +126,7 @@ def test_a_fleet_behind_haproxy_survives_deadlines_that_expire_while_requests_ru
     Deadlines of 50-400 ms through the gRPC front end crashed all three unguarded replicas within five
     rounds; here: none."""
     config = fleet_scenarios.fleet_config(ensemble_repository.root, tmp_path, replicas=3)
-    with Fleet(config) as fleet:
+    with Fleet(config, drain_on_exit=False) as fleet:
         record = deadline_storm.fleet_rounds(fleet, photos, 3, deadline_ms=(50.0, 400.0))
     show(record)
     assert record["lost"] == 0, record

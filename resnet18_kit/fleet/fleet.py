@@ -75,10 +75,14 @@ class FleetConfig:
 
 class Fleet:
     """The replicas and HAProxy of `config`. on_event(replica index or None for HAProxy, kind, detail)
-    tells what happens (default: nothing; the command prints it). Context manager: start() / stop()."""
+    tells what happens (default: nothing; the command prints it). Context manager: start() / stop(), or
+    stop(hurry=True) with drain_on_exit=False (for a fleet whose requests no longer matter then, such as a
+    measurement's)."""
 
-    def __init__(self, config: FleetConfig, on_event: Callable[[int | None, str, str], None] | None = None):
+    def __init__(self, config: FleetConfig, on_event: Callable[[int | None, str, str], None] | None = None,
+                 drain_on_exit: bool = True):
         self.config = config
+        self.drain_on_exit = drain_on_exit
         self.on_event = on_event or (lambda index, kind, detail: None)
         self.supervisors: list[Supervisor | None] = [None] * len(config.replicas)
         self.haproxy: HAProxyProcess | None = None
@@ -188,17 +192,18 @@ class Fleet:
         except (OSError, RuntimeError) as exc:
             self.on_event(index, "pool", f"HAProxy: could not set {replica_name(index)} {state}: {exc}")
 
-    def stop(self) -> int:
+    def stop(self, hurry: bool = False) -> int:
         """Soft-stop HAProxy (requests under way finish), then stop every replica gracefully, in parallel;
-        returns 0 when every part stopped cleanly, else 1. Safe to call twice."""
+        returns 0 when every part stopped cleanly, else 1. Safe to call twice. hurry: HAProxy and every
+        replica killed at once (what they hold fails; shared memory removed all the same), returns 1."""
         status = 0
         if self.haproxy is not None:
-            if self.haproxy.stop() not in (0, None):
+            if self.haproxy.stop(timeout_s=0.0 if hurry else 5.0) not in (0, None):
                 status = 1
             self.on_event(None, "stopped", "HAProxy stopped")
         running = [s for s in self.supervisors if s is not None]
         with ThreadPoolExecutor(max(1, len(running))) as pool:
-            statuses = list(pool.map(lambda s: s.stop(), running))
+            statuses = list(pool.map(lambda s: s.stop(hurry=hurry), running))
         self.supervisors = [None] * len(self.supervisors)
         return 1 if status or any(s not in (0, None) for s in statuses) else 0
 
@@ -207,7 +212,7 @@ class Fleet:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.stop(hurry=not self.drain_on_exit)
 
     # -- HAProxy's view ------------------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ scenario's own figures. A light model stands in for ResNet-18 where the 2-core C
   resnet18         the shipped ensemble on the sample photos (the `ensemble` scenario)
 
 `resnet18-kit reliability run --scenario fleet` runs them all and prints FLEET_COLUMNS as a table;
-tests/test_fleet.py runs each with smaller numbers and asserts the targets.
+tests/test_fleet.py runs each with smaller numbers and asserts the targets. Once measured, a scenario's
+fleet is killed (Fleet drain_on_exit=False): the graceful stop is the fleet command's, tested on its own.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def row(case: str, fleet: Fleet, protocol: str, tally: Tally, share: list[float]
 def spread(repository: Path, workdir: Path, replicas: int, protocol: str, requests: int = 600) -> dict:
     """Even spread: `requests` identity requests over ONE connection (HTTP: one sender on one keep-alive
     connection; gRPC: four senders on one channel); each replica's share."""
-    with Fleet(fleet_config(repository, workdir, replicas)) as fleet:
+    with Fleet(fleet_config(repository, workdir, replicas), drain_on_exit=False) as fleet:
         before = counts(fleet, IDENTITY_MODEL)
         load = FleetLoad(fleet.config.front.server_config(), protocol, identity_load(),
                          workers=1 if protocol == "http" else 4, limit=requests).start()
@@ -178,7 +179,7 @@ def both_rows(case: str, fleet: Fleet, tallies: list[Tally], share: list[float],
 
 def rolling_restart(repository: Path, workdir: Path, replicas: int = 3) -> list[dict]:
     """Every replica restarted in turn (Fleet.roll: drain, graceful stop, start, back UP) under load."""
-    with Fleet(fleet_config(repository, workdir, replicas)) as fleet:
+    with Fleet(fleet_config(repository, workdir, replicas), drain_on_exit=False) as fleet:
         started = time.monotonic()
         steps, tallies, share = under_load(fleet, identity_load(), lambda f: f.roll())
         took = time.monotonic() - started
@@ -219,7 +220,8 @@ def replica_killed(repository: Path, workdir: Path, replicas: int = 3, retry: bo
         server.process.kill()
         return watch_pool(fleet, 1)
 
-    with Fleet(fleet_config(repository, workdir, replicas, take_out_on_fault=False)) as fleet:
+    with Fleet(fleet_config(repository, workdir, replicas, take_out_on_fault=False),
+               drain_on_exit=False) as fleet:
         seen, tallies, share = under_load(fleet, identity_load(), kill, retry=retry)
         clients = (f"clients retried {sum(t.retried for t in tallies)} requests" if retry
                    else "plain clients, no retries")
@@ -239,7 +241,7 @@ def stub_killed(repository: Path, workdir: Path, replicas: int = 3) -> list[dict
         os.kill(next(pid for name, pid in stubs.items() if IDENTITY_MODEL in name), signal.SIGKILL)
         return watch_pool(fleet, 1)
 
-    with Fleet(fleet_config(repository, workdir, replicas)) as fleet:
+    with Fleet(fleet_config(repository, workdir, replicas), drain_on_exit=False) as fleet:
         seen, tallies, share = under_load(fleet, identity_load(), kill, retry_dead_stub=True)
         dead = sum(len(t.tries.get("dead-stub", [])) for t in tallies)
         retried = sum(t.retried for t in tallies)
@@ -252,7 +254,7 @@ def stub_killed(repository: Path, workdir: Path, replicas: int = 3) -> list[dict
 def overload(repository: Path, workdir: Path, replicas: int = 2, senders: int = 48, seconds: float = 6.0) -> dict:
     """A flood of `senders` gRPC calls on one channel at echo replicas that hold 12 requests each: refusals
     (503 / UNAVAILABLE) and how fast they come back; whether any replica left the pool."""
-    with Fleet(fleet_config(repository, workdir, replicas)) as fleet:
+    with Fleet(fleet_config(repository, workdir, replicas), drain_on_exit=False) as fleet:
         before = counts(fleet, ECHO_MODEL)
         load = FleetLoad(fleet.config.front.server_config(), "grpc", echo_load(), workers=senders).start()
         lowest_up, end = replicas, time.monotonic() + seconds
@@ -271,7 +273,7 @@ def overload(repository: Path, workdir: Path, replicas: int = 2, senders: int = 
 def ensemble(repository: Path, workdir: Path, replicas: int = 2, requests: int = 60) -> list[dict]:
     """The shipped `resnet18` ensemble on the sample photos through the fleet, over HTTP and gRPC, each
     answer compared with replica 1's answer to the same photo alone."""
-    with Fleet(fleet_config(repository, workdir, replicas)) as fleet:
+    with Fleet(fleet_config(repository, workdir, replicas), drain_on_exit=False) as fleet:
         load = reference_answers(fleet.config.replicas[0], ensemble_load())
         before = counts(fleet, load.model)
         tallies = []

@@ -165,7 +165,8 @@ def fleet(repository: Path, workdir: Path, replicas: int = 3, before_s: float = 
     through its front ends."""
     key = secrets.token_hex(16)
     files = ModelRepository(repository)
-    with Fleet(fleet_config(repository, workdir, replicas, model_control="explicit", admin_key=key)) as running:
+    with Fleet(fleet_config(repository, workdir, replicas, model_control="explicit", admin_key=key),
+               drain_on_exit=False) as running:
         first = running.config.replicas[0]
         with ModelControl(first.grpc_url, key) as control:
             load, idle_s = right_answers(first, control, files)
