@@ -198,7 +198,7 @@ class Fleet:
         replica killed at once (what they hold fails; shared memory removed all the same), returns 1."""
         status = 0
         if self.haproxy is not None:
-            if self.haproxy.stop(timeout_s=0.0 if hurry else 5.0) not in (0, None):
+            if (self.haproxy.stop(timeout_s=0.0) if hurry else self.haproxy.stop()) not in (0, None):
                 status = 1
             self.on_event(None, "stopped", "HAProxy stopped")
         running = [s for s in self.supervisors if s is not None]

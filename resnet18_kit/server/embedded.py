@@ -358,4 +358,4 @@ class EmbeddedTritonServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop() if self.drain_on_exit else self.stop(drain_s=0)
+        self.stop(drain_s=None if self.drain_on_exit else 0)
