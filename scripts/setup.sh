@@ -9,7 +9,8 @@
 #   scripts/setup.sh check   `make check`, the fast tier: demo + the `test` extra (pytest, import-linter, pylint,
 #                            tritonclient[all] with perf_analyzer, matplotlib) + Debian's libb64-0d (perf_analyzer).
 #   scripts/setup.sh test    `make test`, the whole suite: check + the deployment tools and a Docker engine
-#                            (scripts/setup_deploy_tools.sh tools docker).
+#                            (scripts/setup_deploy_tools.sh tools docker) + Triton Model Analyzer in its own venv,
+#                            .venv-model-analyzer/ (`resnet18-kit model-analyzer --install-only`, about 600 MB).
 #   scripts/setup.sh image   `make image`: demo + a Docker engine and debootstrap (setup_deploy_tools.sh docker).
 #
 # Debian packages are installed with apt-get when missing (the machine runs as root); not root? the script names
@@ -60,4 +61,8 @@ else
 fi
 if [ ${#tools[@]} -gt 0 ]; then
   scripts/setup_deploy_tools.sh "${tools[@]}"
+fi
+if [ "$layer" = test ]; then
+  echo "setup ($layer): Triton Model Analyzer in .venv-model-analyzer/ (pinned by constraints-model-analyzer.txt)" >&2
+  "$VENV/bin/resnet18-kit" model-analyzer --install-only
 fi

@@ -1,7 +1,8 @@
 """resnet18-kit model-analyzer: Triton Model Analyzer 1.58 in its own venv, against the embedded server.
 
 One short profile proves the integration (resnet18_onnx's shipped config at one concurrency, about 30 s
-once Model Analyzer is installed; the first run installs it, about 40 s); the bad inputs are one line each.
+once Model Analyzer is installed: `make test` sets it up first, `--install-only`; without it the first run
+installs it, about 40 s); the bad inputs are one line each.
 """
 from __future__ import annotations
 

@@ -32,10 +32,14 @@ from pathlib import Path
 
 from resnet18_kit.contract import ENSEMBLE_MODEL
 from resnet18_kit.client.samples import HELD_OUT_PHOTO_NAMES, sample_photos
+from typing import TYPE_CHECKING
+
 from resnet18_kit.export import quantize
-from resnet18_kit.export import resnet18 as r18
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import Settings, shown
+
+if TYPE_CHECKING:  # torch is imported by the functions that use it: a bad flag is refused in a second
+    from resnet18_kit.export import resnet18 as r18
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ def atomic_path(final: Path):
 def labels_problem(repository: ModelRepository) -> str | None:
     """Why `repository`'s labels file is not torchvision's 1000 ImageNet category names in class order
     (one line), or None when it is."""
+    from resnet18_kit.export import resnet18 as r18
+
     expected = r18.IMAGENET_WEIGHTS.meta["categories"]
     try:
         actual = repository.labels_path.read_text().splitlines()
@@ -85,6 +91,8 @@ def provenance(repository: ModelRepository, source: r18.WeightsSource, diffs: di
     """The provenance.json record of an export into `repository` (its files hashed as they are now)."""
     import onnx
     import onnxruntime
+
+    from resnet18_kit.export import resnet18 as r18
     import torch
     import torchvision
 
@@ -154,6 +162,8 @@ def export(repository: ModelRepository, weights: Path | None = None, offline: bo
            if_missing: bool = False, calibration_dir: Path | None = None) -> int:
     """Write every generated file of `repository` (ModelRepository.generated); the exit status (module
     doc). Problems are one line on stderr."""
+    from resnet18_kit.export import resnet18 as r18
+
     problem = labels_problem(repository)
     if problem:
         print(f"export: {problem}", file=sys.stderr)

@@ -29,7 +29,7 @@ resnet18_onnx 200 ms (tensors in, as a gateway that preprocesses would send), re
 Files: <out>/profile.yaml, <out>/export/ (Model Analyzer's results/metrics-model-inference.csv and
 reports/), <out>/model-analyzer.log. Exit status: 0; 2 for a missing or broken install with --no-install, a
 model config that does not parse, an unknown model, a profile or report that fails, or a profile that
-measured nothing for a model.
+measured nothing for a model. --install-only sets up the venv and exits (`make test` runs it before the suite).
 """
 from __future__ import annotations
 
@@ -70,8 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the shipped config of each model, concurrency 4 only")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV,
                         help="Model Analyzer's own venv (default: the checkout's .venv-model-analyzer)")
-    parser.add_argument("--no-install", action="store_true",
-                        help="use the venv as it is; a missing or different install is an error")
+    setup = parser.add_mutually_exclusive_group()
+    setup.add_argument("--no-install", action="store_true",
+                       help="use the venv as it is; a missing or different install is an error")
+    setup.add_argument("--install-only", action="store_true",
+                       help="set up the venv (nothing when it holds this version already) and exit: what "
+                            "`make test` does before the suite")
     parser.add_argument("--out", type=Path, help=f"folder for the run (default <results>/{RESULTS_NAME}/<time>)")
     parser.add_argument("--p99-ms", nargs="+", default=[], metavar="MODEL=MS", type=budget,
                         help="p99 latency budget of a model in ms (default: "
@@ -283,6 +287,10 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
 
     out = (args.out or settings.results_dir(RESULTS_NAME, time.strftime("%Y%m%d-%H%M%S"))).resolve()
     try:
+        if args.install_only:
+            ensure_installed(args.venv, install=True)
+            print(f"model-analyzer: triton-model-analyzer {VERSION} is set up in {shown(args.venv)}", file=sys.stderr)
+            return 0
         check_models(settings.model_repository, args.models)
         binary = ensure_installed(args.venv, install=not args.no_install)
         out.mkdir(parents=True, exist_ok=True)
