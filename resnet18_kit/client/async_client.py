@@ -154,7 +154,10 @@ class AsyncTritonClassifierClient(ClientCore):
             The InferenceError subclasses of `TritonClassifierClient.classify`; ValueError for bad
             arguments.
         """
-        return await self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
+        if not self.shared_memory:
+            return await self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
+        async with self._lock:
+            return await self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
 
     async def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,
                            priority: int = 0, cancel: asyncio.Event | None = None) -> np.ndarray:

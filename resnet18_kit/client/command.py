@@ -1,13 +1,16 @@
 """Top-k ImageNet labels for image files, from a Triton server that serves this model repository.
 
     resnet18-kit classify [--url HOST:PORT] [--protocol http|grpc] [--model NAME] [--top-k K] [--json]
-                          [--priority N] IMAGE_OR_FOLDER ...
+                          [--priority N] [--shared-memory] IMAGE_OR_FOLDER ...
 
 Sends one request per image (up to --concurrency in flight) to the ensemble --model (default `resnet18`),
 so the server's dynamic batcher forms the batches; a request refused because the queue is full is retried
 until --deadline-s. --priority 1 puts the requests ahead of default-priority traffic in the steps' queues
 (0, the default: the models' default level, 2). A folder stands for the image files under it: every suffix the server's decoder
-(Pillow) opens, .avif included; other files found there are named once on stderr.
+(Pillow) opens, .avif included; other files found there are named once on stderr. --shared-memory passes
+each photo through a system shared-memory region instead of the socket (a server on this host only: one
+elsewhere fails each image, naming the region it cannot open); the server then spends less per image
+(docs/benchmarks.md).
 
 Output (stdout): per image, its top-k labels with probabilities in percent (the ensemble's softmax) and
 logits; or with --json one JSON object per image and line, and nothing else on stdout:
@@ -61,18 +64,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", type=int, default=0,
                         help="priority level, 1 = served first (default 0: the model's default level)")
     parser.add_argument("--json", action="store_true", help="one JSON object per image and line on stdout")
+    parser.add_argument("--shared-memory", action="store_true",
+                        help="photos through system shared memory (a server on this host only)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_server_address_options(parser)
 
 
 def classify_files(files: list[Path], url: str, protocol: str, top_k: int = 5, concurrency: int = 4,
                    model: str = ENSEMBLE_MODEL, deadline_s: float = 60.0, progress: bool = False,
-                   priority: int = 0) -> Iterator[tuple[Path, list[Prediction] | Exception]]:
+                   priority: int = 0, shared_memory: bool = False) -> Iterator[tuple[Path, list[Prediction] | Exception]]:
     """Classify each file in its own request, `concurrency` at a time: that many threads, each with its
     own client, which it also closes (so a request past its deadline is waited for, never cancelled:
     client.sync_client). Yields (path, top_k predictions) in input order; a failed file gets its exception
     (an InferenceError, or OSError when it cannot be read) instead. progress: a tqdm bar on stderr;
-    priority: each request's priority level (0 = the model's default)."""
+    priority: each request's priority level (0 = the model's default); shared_memory: each client passes
+    its photos through a region of its own (client.shared_memory)."""
     from tqdm import tqdm
 
     retry = RetryPolicy(deadline_s=deadline_s)
@@ -82,7 +88,7 @@ def classify_files(files: list[Path], url: str, protocol: str, top_k: int = 5, c
         work.put(item)
 
     def worker() -> None:
-        with TritonClassifierClient(url, protocol, retry=retry) as client:
+        with TritonClassifierClient(url, protocol, retry=retry, shared_memory=shared_memory) as client:
             while True:
                 try:
                     index, path = work.get_nowait()
@@ -218,7 +224,7 @@ def run(settings, args: argparse.Namespace) -> int:
     failed = 0
     results = classify_files(files, settings.url, settings.protocol, args.top_k, args.concurrency, args.model,
                              args.deadline_s, progress=not args.no_progress and sys.stderr.isatty(),
-                             priority=args.priority)
+                             priority=args.priority, shared_memory=args.shared_memory)
     for path, result in results:
         failed += isinstance(result, Exception)
         log.debug("%s: %s", path, "failed" if isinstance(result, Exception) else "classified")

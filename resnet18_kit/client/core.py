@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 from resnet18_kit.client.backoff import Deadline, RetryPolicy
 from resnet18_kit.client.errors import (DeadlineExceededError, QueueFullError, RequestCancelledError,
                                         ServerUnavailableError, typed_error)
-from resnet18_kit.client.shared_memory import TensorRegions
+from resnet18_kit.client.shared_memory import TensorRegions, bytes_byte_size, photo_region_bytes
 from resnet18_kit.contract import (DEFAULT_URLS, FP32_BYTES, IMAGE_INPUT, IMAGE_SHAPE, LOGITS_OUTPUT, NUM_CLASSES,
                                    PROBABILITIES_OUTPUT, PROTOCOLS, TENSOR_INPUT, host_port)
 from resnet18_kit.observe.model_config import ModelConfigView, priority_levels
@@ -138,7 +138,8 @@ class ClientCore:
         scheme ("http://host:port"); ValueError for anything else (contract.host_port).
     protocol: "http" or "grpc" (ValueError for another).
     retry: backoff and default deadline (`deadline_s`, seconds) of each call.
-    shared_memory: pass infer_tensor's input and output through system shared memory.
+    shared_memory: pass infer_tensor's input and output, and classify's photos, through system shared
+        memory (client.shared_memory).
     connection_timeout_s: seconds to wait for a connection (HTTP).
     """
 
@@ -295,7 +296,8 @@ class ClientCore:
                   priority: int = 0, cancel=None) -> Steps:
         if not 1 <= top_k <= NUM_CLASSES:
             raise ValueError(f"top_k must be 1..{NUM_CLASSES}, not {top_k}")
-        return (yield from self._infer(model, lambda: self._classify_request(images, top_k),
+        region = (yield from self._photo_region_for(model, bytes_byte_size(images))) if self.shared_memory else None
+        return (yield from self._infer(model, lambda: self._classify_request(images, top_k, region),
                                        lambda result: self._predictions(result, len(images)), deadline_s,
                                        priority, cancel))
 
@@ -306,10 +308,13 @@ class ClientCore:
                                        lambda result: self._logits(result, len(batch), regions), deadline_s,
                                        priority, cancel))
 
-    def _classify_request(self, images: Sequence[bytes], top_k: int):
+    def _classify_request(self, images: Sequence[bytes], top_k: int, region: TensorRegions | None):
         array = np.array([bytes(image) for image in images], dtype=np.object_).reshape(-1, 1)
         request = self._module.InferInput(IMAGE_INPUT, list(array.shape), "BYTES")
-        request.set_data_from_numpy(array)
+        if region is None:
+            request.set_data_from_numpy(array)
+        else:
+            request.set_shared_memory(region.input_name, region.write_input(array))
         return [request], [self._module.InferRequestedOutput(name, class_count=top_k)
                            for name in (PROBABILITIES_OUTPUT, LOGITS_OUTPUT)]
 
@@ -350,16 +355,29 @@ class ClientCore:
         """The model's registered regions, created (sized for its served max_batch_size) on first use."""
         if model not in self._regions:
             view = yield from self._model_config_view(model)
-            regions = TensorRegions(model, view.max_batch_size * int(np.prod(IMAGE_SHAPE)) * FP32_BYTES,
-                                    view.max_batch_size * NUM_CLASSES * FP32_BYTES)
-            try:
-                for name, key, size in regions.registrations():
-                    yield from self._ask("register_system_shared_memory", name, key, size)
-            except BaseException:
-                yield from self._release(regions)
-                raise
-            self._regions[model] = regions
+            image_bytes = int(np.prod(IMAGE_SHAPE)) * FP32_BYTES
+            yield from self._register(model, TensorRegions(model, view.max_batch_size * image_bytes,
+                                                           view.max_batch_size * NUM_CLASSES * FP32_BYTES))
         return self._regions[model]
+
+    def _photo_region_for(self, model: str, byte_size: int) -> Steps:
+        """The registered input region for `model`'s encoded photos, replaced by a larger one
+        (photo_region_bytes) when a request of `byte_size` bytes does not fit."""
+        key = f"{model} photos"
+        if key in self._regions and self._regions[key].input_bytes < byte_size:
+            yield from self._release(self._regions.pop(key))
+        if key not in self._regions:
+            yield from self._register(key, TensorRegions(model, photo_region_bytes(byte_size)))
+        return self._regions[key]
+
+    def _register(self, key: str, regions: TensorRegions) -> Steps:
+        try:
+            for name, shm_key, size in regions.registrations():
+                yield from self._ask("register_system_shared_memory", name, shm_key, size)
+        except BaseException:
+            yield from self._release(regions)
+            raise
+        self._regions[key] = regions
 
     def _release(self, regions: TensorRegions) -> Steps:
         """Unregister both regions (retrying "in use"), then destroy them; never raises for the server."""

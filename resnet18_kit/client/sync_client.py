@@ -42,8 +42,9 @@ the guard's mark. The blocking HTTP client cannot cancel (tritonclient.http has 
 request): ValueError. docs/usage.md "Traffic controls".
 
 Shared memory (`shared_memory=True`): `infer_tensor` passes its input and output through system shared
-memory regions registered once per model (sized for its served max_batch_size) and unregistered on close
-(same host only; see `client.shared_memory`). Calls on one client then run one at a time (a lock).
+memory regions registered once per model (sized for its served max_batch_size), `classify` its encoded
+photos through a region sized for the largest request so far; both unregistered on close (same host only;
+see `client.shared_memory`). Calls on one client then run one at a time (a lock).
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class TritonClassifierClient(ClientCore):
         protocol: "http" or "grpc" (KServe v2 / Open Inference Protocol).
         retry: RetryPolicy: the backoff after a queue-full refusal and each call's default deadline
             (`deadline_s`, seconds; default 30).
-        shared_memory: pass `infer_tensor`'s input and output through system shared memory (same host).
+        shared_memory: pass `infer_tensor`'s input and output, and `classify`'s photos, through system shared
+            memory (same host).
         connection_timeout_s: seconds to wait for a connection (default 10).
 
     Raises:
@@ -260,7 +262,10 @@ class TritonClassifierClient(ClientCore):
             RequestCancelledError: `cancel` was set.
             ServerUnavailableError: nothing that speaks Triton's protocol at the url.
         """
-        return self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
+        if not self.shared_memory:
+            return self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
+        with self._lock:
+            return self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
 
     def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,
                      priority: int = 0, cancel: threading.Event | None = None) -> np.ndarray:

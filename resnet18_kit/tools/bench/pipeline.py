@@ -7,9 +7,10 @@ for each photo set (resnet18_kit/tools/load/photos.py: "sample", "12mp"):
   1. the in-process twin (resnet18_kit/tools/bench/pipeline_inprocess.py: the same decode/transform code and network
      runtime, batch size and decode threads as the variant's configs) is measured: saturation img/s and
      batch-1 latency;
-  2. per protocol (grpc, http), a perf_analyzer concurrency sweep against `resnet18`, one run per level
-     (bench.perf_analyzer.run_level), the photos sent as real BYTES input data (--input-data, one image
-     per request, cycled; no shared memory: the bytes travel over the protocol as a real client's do), the
+  2. per transport (grpc, http; grpc-shm: gRPC with each photo in system shared memory, what a client on
+     the server's host can do: `classify --shared-memory`), a perf_analyzer concurrency sweep against
+     `resnet18`, one run per level (bench.perf_analyzer.run_level), the photos sent as real BYTES input
+     data (--input-data, one image per request, cycled; over the socket as a remote client's are), the
      statistics extension read before and after each level for the ensemble and BOTH step models
      (bench.server_stats.statistics_delta: per step queue and compute times per request, average batch);
   3. the twin is measured again; its figures are the mean of before and after.
@@ -32,7 +33,7 @@ from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin, mean_of
 from resnet18_kit.observe.process_cpu import ProcessCpu, cpu_phrase, per_inference_ms
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
 from resnet18_kit.client.sync_client import TritonClassifierClient
-from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
+from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, LOGITS_BYTES, ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.config import config_on_free_ports
 from resnet18_kit.server.embedded import EmbeddedTritonServer
@@ -41,6 +42,10 @@ from resnet18_kit.server.embedded import EmbeddedTritonServer
 STEP_MODELS = (PREPROCESS_MODEL, ONNX_MODEL)
 FULL_LEVELS = (1, 2, 4, 8, 16, 32)
 QUICK_LEVELS = (1, 32)
+#: gRPC with each photo in system shared memory (`transport`): the kit's same-host transport.
+SHARED_MEMORY_TRANSPORT = "grpc-shm"
+#: How the figures draw each transport (the in-process line is dashed).
+TRANSPORT_LINESTYLES = {"grpc": "-", "http": ":", SHARED_MEMORY_TRANSPORT: "-."}
 #: The variants measured unless --pipeline-variants says otherwise: the default configs, and the int8
 #: network (configs/int8.pbtxt) when the model repository has it.
 PREFERRED_VARIANTS = (DEFAULT_VARIANT, "int8")
@@ -68,7 +73,7 @@ class PipelineOptions:
     repository: ModelRepository
     photos_root: Path
     photo_sets: tuple[str, ...] = PHOTO_SETS
-    protocols: tuple[str, ...] = ("grpc", "http")
+    protocols: tuple[str, ...] = ("grpc", "http", SHARED_MEMORY_TRANSPORT)
     levels: tuple[int, ...] = FULL_LEVELS
     measurement_ms: int = 2500
     request_window_s: float = 0.0
@@ -93,8 +98,9 @@ def default_variants(repository: ModelRepository) -> tuple[str, ...]:
 
 def pipeline_options(repository: ModelRepository, photos_root: Path, quick: bool, variants: list[str] | None = None,
                      measurement_ms: int | None = None) -> PipelineOptions:
-    """--quick: gRPC only, concurrency 1 and 32, fixed request counts of ~2.5 s, 2 s + 1.5 s in-process;
-    full: gRPC and HTTP, concurrency 1 to 32, stabilized windows, 6 s + 4 s in-process. photos_root: the
+    """--quick: gRPC and grpc-shm, concurrency 1 and 32, fixed request counts of ~2.5 s, 2 s + 1.5 s
+    in-process; full: gRPC, HTTP and grpc-shm, concurrency 1 to 32, stabilized windows, 6 s + 4 s
+    in-process. photos_root: the
     results folder (photo sets cached under it). ValueError naming variants `repository` lacks."""
     unknown = [v for v in variants or () if v not in repository.variant_names()]
     if unknown:
@@ -102,8 +108,8 @@ def pipeline_options(repository: ModelRepository, photos_root: Path, quick: bool
     options = PipelineOptions(variants=tuple(variants or default_variants(repository)), repository=repository,
                               photos_root=photos_root)
     if quick:
-        options = replace(options, protocols=("grpc",), levels=QUICK_LEVELS, request_window_s=2.5,
-                          saturation_s=2.0, batch1_s=1.5)
+        options = replace(options, protocols=("grpc", SHARED_MEMORY_TRANSPORT), levels=QUICK_LEVELS,
+                          request_window_s=2.5, saturation_s=2.0, batch1_s=1.5)
     return replace(options, measurement_ms=measurement_ms or options.measurement_ms)
 
 
@@ -114,15 +120,25 @@ def request_count(level: int, inprocess: dict, window_s: float) -> int:
     return max(int(rate_per_s * window_s), 6 * level)
 
 
+def transport(label: str) -> tuple[str, bool]:
+    """A sweep's transport label -> (protocol, photos in system shared memory): "grpc-shm" -> ("grpc", True)."""
+    protocol, _, shm = label.partition("-")
+    return protocol, shm == "shm"
+
+
 def measure_pipeline_level(server: EmbeddedTritonServer, load: LoadSpec, level: float, out_dir: Path,
                            protocol: str) -> dict:
     """One perf_analyzer run against the ensemble with the server's statistics of exactly that run.
+    protocol: a transport label (`transport`): "grpc", "http" or "grpc-shm".
 
     Returns perf_analyzer's PerfRow fields (throughput = img/s, latencies in us), "steps": {model:
     statistics_delta} for the ensemble and each of STEP_MODELS (queue_us, compute_infer_us ... per
     request; average_batch; inference_count), "cpu_utilization" (server, 0..1, None if unsampled) and
     "server_cpu_ms_per_inference" (the server's processes' CPU per image, observe.process_cpu)."""
     config = server.config
+    protocol, shared_memory = transport(protocol)
+    if shared_memory:
+        load = replace(load, shared_memory="system", output_shm_bytes=LOGITS_BYTES)
     url = config.url(protocol)
     models = (ENSEMBLE_MODEL, *STEP_MODELS)
     before = {model: model_statistics(config.http_url, model) for model in models}

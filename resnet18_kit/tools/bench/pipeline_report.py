@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from resnet18_kit.tools.bench.pipeline import STEP_MODELS, served_runs  # noqa: E402
+from resnet18_kit.tools.bench.pipeline import STEP_MODELS, TRANSPORT_LINESTYLES, served_runs  # noqa: E402
 
 #: Per step, the two figures of the stacked bar and the tables: statistics_delta keys, per request, us.
 STEP_PARTS = (("queue_us", "queue"), ("compute_infer_us", "compute"))
@@ -17,7 +17,8 @@ PLOTS = {"throughput": "pipeline_throughput.png", "steps": "pipeline_steps.png"}
 
 
 def plot_throughput(pipeline: dict, path: Path) -> None:
-    """img/s vs concurrency, one panel per photo set, one colour per variant (solid gRPC, dotted HTTP);
+    """img/s vs concurrency, one panel per photo set, one colour per variant (solid gRPC, dotted HTTP, dash-dot gRPC with
+    photos in shared memory);
     the variant's in-process saturation (mean of before and after) as a dashed line of its colour."""
     sets = list(pipeline["photo_sets"])
     fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.2), squeeze=False)
@@ -26,7 +27,7 @@ def plot_throughput(pipeline: dict, path: Path) -> None:
         for variant, entry, run in served_runs(pipeline, name):
             rows = sorted(run["concurrency"], key=lambda r: r["level"])
             ax.plot([r["level"] for r in rows], [r["throughput"] for r in rows], marker="o",
-                    color=colours[variant["variant"]], linestyle="-" if run["protocol"] == "grpc" else ":",
+                    color=colours[variant["variant"]], linestyle=TRANSPORT_LINESTYLES[run["protocol"]],
                     label=f"{variant['variant']} {run['protocol']}")
         for variant in pipeline["variants"]:
             for entry in variant["photo_sets"]:

@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
+from resnet18_kit.tools.bench.pipeline import TRANSPORT_LINESTYLES  # noqa: E402
+
 #: The planner's p99 target (resnet18_kit/tools/planner/validate_analysis.py within_target): predicted within +-25 % of measured.
 P99_BAND = 0.25
 MiB = 1024 * 1024
@@ -25,7 +27,7 @@ def plain_log_axis(axis) -> None:
 def pipeline_figure(summary: dict, date: str) -> plt.Figure:
     """img/s against p99 ms of the end-to-end sweeps (summary["pipeline"], described in
     resnet18_kit/tools/bench/figures.py), points labelled with their concurrency; one panel per photo set, colour
-    per variant, solid gRPC / dotted HTTP."""
+    per variant, solid gRPC / dotted HTTP / dash-dot gRPC with photos in shared memory."""
     pipeline = summary["pipeline"]
     sets = list(pipeline["photo_sets"])
     colours = {v["variant"]: f"C{i}" for i, v in enumerate(pipeline["variants"])}
@@ -38,9 +40,9 @@ def pipeline_figure(summary: dict, date: str) -> plt.Figure:
                     rows = sorted(run["concurrency"], key=lambda r: r["level"])
                     p99_ms = [r["p99_us"] / 1000 for r in rows]
                     ax.plot(p99_ms, [r["throughput"] for r in rows], marker="o", markersize=4, color=colour,
-                            linestyle="-" if run["protocol"] == "grpc" else ":",
+                            linestyle=TRANSPORT_LINESTYLES[run["protocol"]],
                             label=f"{variant['variant']} {run['protocol']}")
-                    below = run["protocol"] != "grpc"  # gRPC's labels above its points, HTTP's below
+                    below = run["protocol"] == "http"  # HTTP's labels below its points, the others' above
                     for row, x in zip(rows, p99_ms):
                         ax.annotate(f"{row['level']:g}", (x, row["throughput"]), fontsize=6, color=colour,
                                     textcoords="offset points", xytext=(2, -8 if below else 3))
