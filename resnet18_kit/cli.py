@@ -32,7 +32,7 @@ COMMANDS = {
               "N replicas of the server behind HAProxy (per-request balancing, health checks, rolling restarts)"),
     "swap": ("resnet18_kit.swap", "client",
              "load another config into a running server or fleet while it serves (model control, admin key)"),
-    "grpc-guard": ("resnet18_kit.server.grpc_guard", "serve",
+    "grpc-guard": ("resnet18_kit.upstream.grpc_guard", "serve",
                    "a gRPC front end that never passes clients' deadlines or cancellations on to Triton 2.51"),
     "docker": ("resnet18_kit.containers.__main__", "client",
                "the CPU images of docker-compose.yaml (from PyPI's wheels), and a private Docker engine"),

@@ -24,7 +24,7 @@ from resnet18_kit.fleet.fleet import Fleet
 from resnet18_kit.observe.statistics import model_statistics
 from resnet18_kit.tools.reliability import deadline_storm, deadlines, fleet_scenarios, wedge
 from resnet18_kit.server.config import ServerConfig, config_on_free_ports, free_ports
-from resnet18_kit.server.grpc_guard import with_timeout
+from resnet18_kit.upstream.grpc_guard import with_timeout
 from resnet18_kit.server.stop import StopRequest
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 

@@ -1,4 +1,4 @@
-"""The gRPC guard (resnet18_kit/server/grpc_guard.py) in front of an upstream that is not listening yet, as
+"""The gRPC guard (resnet18_kit/upstream/grpc_guard.py) in front of an upstream that is not listening yet, as
 when `serve` starts, a container is re-created or the supervisor restarts tritonserver: the guard listens
 first, so clients reach it while nothing answers behind it. A stand-in upstream (KServe v2's ServerLive only)
 keeps tritonserver out of it: the fast tier runs it.
@@ -12,7 +12,7 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from resnet18_kit.server.config import free_ports
-from resnet18_kit.server.guard_process import GrpcGuard
+from resnet18_kit.upstream.guard_process import GrpcGuard
 
 SERVICE = "inference.GRPCInferenceService"
 

@@ -99,7 +99,7 @@ def test_queue_timeout_refuses_expired_requests_and_the_others_proceed(triton_se
 
 def test_ready_stays_true_while_the_queue_is_full_and_the_queue_gauge_shows_it(triton_server):
     """/v2/health/ready answers 200 while requests are refused; nv_inference_pending_request_count at
-    max_queue_size - max_batch_size or more (server.overload) is the overload signal instead."""
+    max_queue_size - max_batch_size or more (upstream.overload) is the overload signal instead."""
     result = readiness_under_overload(triton_server.config)
     print(f"\n{result}")
     seen = result["at_highest_pending"]
@@ -114,7 +114,7 @@ def test_supervisor_warns_when_a_queue_is_nearly_full(triton_server, reliability
     """The overload warning `serve` logs, from the same gauge, without a new endpoint."""
     import threading
 
-    from resnet18_kit.server.overload import QueueWatch, queue_limits
+    from resnet18_kit.upstream.overload import QueueWatch, queue_limits
 
     watch = QueueWatch({"reliability_echo": queue_limits((reliability_repository,))["reliability_echo"]})
     assert watch.warnings(triton_server.config.metrics_url) == []  # idle

@@ -238,7 +238,7 @@ def test_a_mark_cancels_only_the_request_the_guard_tagged(repository, tmp_path):
     by the guard's, and a value that is not a mark never names a file."""
     from tritonclient.grpc import service_pb2
 
-    from resnet18_kit.server import cancel_marks
+    from resnet18_kit.upstream import cancel_marks
 
     served = repository.served_module("cancellation")
     assert (served.PARAMETER, served.ENVIRONMENT) == (cancel_marks.PARAMETER, cancel_marks.ENVIRONMENT)

@@ -20,7 +20,7 @@ QUEUE_FULL_MESSAGE = "Exceeds maximum queue size"
 #: Triton's message when a request's `timeout` expired while it waited in the queue.
 QUEUE_TIMEOUT_MESSAGE = "Request timeout expired"
 #: Triton's message (HTTP 404 / gRPC NOT_FOUND) for a model of its repository that is not loaded: a kit
-#: server that is stopping unloads every model first (server.admission), so it refuses new requests this
+#: server that is stopping unloads every model first (upstream.admission), so it refuses new requests this
 #: way while it answers those it holds. Not run, so safe to send again, to another replica.
 UNLOADED_MESSAGE = "has no available versions"
 

@@ -9,7 +9,7 @@ package; `make setup` installs it). Clients use the front ends as they would one
 
 Replica i (1, 2, ...) listens on --replica-base-port + 10 (i - 1): HTTP, +1 gRPC, +2 metrics (each
 replica's Prometheus endpoint; nv_inference_count there is its share of the traffic), +3 tritonserver's own
-gRPC behind the replica's gRPC guard (127.0.0.1 only; server.grpc_guard: HAProxy passes a client's
+gRPC behind the replica's gRPC guard (127.0.0.1 only; upstream.grpc_guard: HAProxy passes a client's
 cancellation on, the guard does not, so no cancellation reaches Triton 2.51, which crashes on them).
 
 HAProxy checks every replica's /v2/health/ready every 500 ms; one failure takes it out of the pool, two

@@ -286,7 +286,7 @@ class ModelConfigView:
     @property
     def overload_threshold(self) -> int:
         """Pending requests at which a bounded queue is about to refuse: at most one more batch fits
-        (max_queue_size - max_batch_size, at least 1; server.overload); 0 for an unbounded queue."""
+        (max_queue_size - max_batch_size, at least 1; upstream.overload); 0 for an unbounded queue."""
         return max(1, self.max_queue_size - self.max_batch_size) if self.max_queue_size > 0 else 0
 
 

@@ -11,7 +11,7 @@ Stopping (Triton 2.51's --exit-timeout-secs, given by --exit-timeout-s; docs/rel
      the requests the models hold are answered, for up to the exit timeout;
   2. then tritonserver gets SIGTERM: it refuses new HTTP connections and exits once the open ones have
      closed or the exit timeout has passed, holding nothing (Triton 2.51 alone would serve open keep-alive
-     connections until then and abandon what it held: server.admission);
+     connections until then and abandon what it held: upstream.admission);
   3. serve removes the stubs' shared memory and exits 0.
 More SIGTERMs change nothing (make and Kubernetes may send several). A second Ctrl-C (SIGINT) cuts the
 drain short: tritonserver and its stubs are killed, in-flight requests fail, serve exits 1.

@@ -74,12 +74,12 @@ class ServerConfig:
     #: UNAVAILABLE). Kept out of repr() so the key does not end up in logs.
     admin_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
-    #: gRPC behind the kit's guard (server.grpc_guard): when set, tritonserver's own gRPC listens on
+    #: gRPC behind the kit's guard (upstream.grpc_guard): when set, tritonserver's own gRPC listens on
     #: 127.0.0.1 at this port and the guard listens on `host`:`grpc_port`, where clients connect, so no
     #: client's deadline or cancellation reaches Triton 2.51 (docs/reliability.md "Deadlines and
     #: cancellation"). None: tritonserver listens on `grpc_port` itself. EmbeddedTritonServer runs the guard.
     triton_grpc_port: int | None = None
-    #: On a stop, unload the models before tritonserver gets SIGTERM (server.admission): new requests
+    #: On a stop, unload the models before tritonserver gets SIGTERM (upstream.admission): new requests
     #: refused, held ones answered, none abandoned. False behind a load balancer that takes the server out
     #: when its health check fails: tritonserver then serves on through its drain while the balancer moves
     #: traffic away (an unload would refuse what the balancer still sends in the ~0.5 s before it notices).

@@ -32,7 +32,7 @@ from typing import Callable
 
 from resnet18_kit.contract import DEFAULT_HOST, STUB_EXECUTABLE
 from resnet18_kit.observe.processes import child_processes, port_listeners, rss_bytes
-from resnet18_kit.server.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
+from resnet18_kit.upstream.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
 from resnet18_kit.server.config import (ADMIN_HEADER, RESTRICTED_APIS, ConfigurationError, ServerConfig,
                                         ServerStartError, StartCancelled, check_ports_free)
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, remove_regions
@@ -98,7 +98,7 @@ def server_command(config: ServerConfig, shm_prefix: str = PYTHON_BACKEND_SHM_PR
     `shm_prefix`: the name prefix of its stubs' shared-memory regions in /dev/shm.
 
     Model control is always Triton's explicit mode, every model loaded at start, so that a stop can
-    unload them first (server.admission). With config.model_control "explicit" the model-control API is
+    unload them first (upstream.admission). With config.model_control "explicit" the model-control API is
     the user's, behind config.admin_key with the other RESTRICTED_APIS; with "none" it is locked by
     `control_key` (required then: ValueError without it), which only the process that started the server
     holds, and the other restricted APIs keep config.admin_key when one is set."""
@@ -185,7 +185,7 @@ class EmbeddedTritonServer:
         self.control_key = config.admin_key if config.model_control == "explicit" else secrets.token_hex(16)
         self.process: subprocess.Popen | None = None
         self.started_at: float | None = None
-        #: The gRPC guard in front of tritonserver (server.grpc_guard), when config.triton_grpc_port is set:
+        #: The gRPC guard in front of tritonserver (upstream.grpc_guard), when config.triton_grpc_port is set:
         #: listening before the server is ready, stopped after it.
         self.guard = None
         #: Set by stop(): True when every model was unloaded before SIGTERM (nothing was left in flight).
@@ -212,8 +212,8 @@ class EmbeddedTritonServer:
             command = ["setpriv", "--pdeathsig", "TERM", "--", *command]  # kept across its exec
         env = server_environment(self.config.stub_python)
         env.pop(CANCEL_MARKS_ENVIRONMENT, None)
-        if self.config.triton_grpc_port is not None:  # its marks reach the models (server.cancel_marks)
-            from resnet18_kit.server.guard_process import GrpcGuard
+        if self.config.triton_grpc_port is not None:  # its marks reach the models (upstream.cancel_marks)
+            from resnet18_kit.upstream.guard_process import GrpcGuard
 
             self.guard = GrpcGuard(self.config.host, self.config.grpc_port, self.config.triton_grpc_url,
                                    self.log_path, grace_s=self.config.exit_timeout_s)
@@ -313,7 +313,7 @@ class EmbeddedTritonServer:
         process group (stubs included) and remove this server's shared-memory regions left in /dev/shm.
 
         refuse_first: when drain_s > 0 and config.refuse_first, first unload every model
-        (server.admission.stop_admitting: new requests refused, those held answered), for up to
+        (upstream.admission.stop_admitting: new requests refused, those held answered), for up to
         exit_timeout_s, so tritonserver holds nothing when its exit timeout ends (Triton 2.51 abandons
         what it holds then). False skips it (a restart after a fault, a wedged server).
         drain_s: how long to wait after SIGTERM before SIGKILL; default exit_timeout_s + 10 s (the
@@ -327,7 +327,7 @@ class EmbeddedTritonServer:
         drain_s = self.config.exit_timeout_s + 10 if drain_s is None else drain_s
         if self.process.poll() is None:
             if refuse_first and self.config.refuse_first and drain_s > 0 and not (hurry is not None and hurry()):
-                from resnet18_kit.server.admission import stop_admitting
+                from resnet18_kit.upstream.admission import stop_admitting
 
                 self.refused_first = stop_admitting(self.config.http_url, self.control_key,
                                                     min(drain_s, self.config.exit_timeout_s), hurry)

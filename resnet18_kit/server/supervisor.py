@@ -44,7 +44,7 @@ from resnet18_kit.observe.processes import process_alive
 from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError, StartCancelled
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.model_control import ModelControl, SwapError, SwapTarget, same_config, swap
-from resnet18_kit.server.overload import QueueWatch
+from resnet18_kit.upstream.overload import QueueWatch
 from resnet18_kit.server.probe import ProgressWatch, live
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.stop import StopRequest
@@ -56,7 +56,7 @@ class SupervisorPolicy:
     from /v2/health/live before a restart; restart_drain_s: seconds a restart waits after SIGTERM before
     SIGKILL; max_restarts / restart_window_s: crash-loop bound (0 restarts = never restart);
     ready_timeout_s: start-up budget of each start; queue_warnings: log an "overload" event when a
-    model's pending requests reach max_queue_size - max_batch_size (server.overload)."""
+    model's pending requests reach max_queue_size - max_batch_size (upstream.overload)."""
 
     poll_interval_s: float = 0.5
     unresponsive_after_s: float = 30.0

@@ -3,7 +3,7 @@
 Two signals, either one is enough:
   * Triton's own: `request.is_cancelled()` (one round trip to the server). Set by a gRPC cancellation
     straight to tritonserver, which crashes Triton 2.51 under load (server issue 7368, fixed in 2.53).
-  * the kit's gRPC guard's mark (`serve`, resnet18_kit/server/cancel_marks.py): the guard never passes a
+  * the kit's gRPC guard's mark (`serve`, resnet18_kit/upstream/cancel_marks.py): the guard never passes a
     cancellation on. It gives every ModelInfer it forwards a request parameter `cancel_mark` (32 hex
     digits, replacing any the client sent) and, when the client cancels or its deadline passes while Triton
     holds the request, creates an empty file of that name in a folder, removed once Triton answers. The

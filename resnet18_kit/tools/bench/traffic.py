@@ -19,7 +19,7 @@ response cache, and request cancellation, each against a server this command sta
   cancelled by the caller (asyncio client, `cancel` event) 50 ms later; beside a round where none is
   cancelled. Once through the kit's gRPC guard (the caller is freed; the guard never cancels upstream,
   since Triton 2.51 crashes on gRPC cancellations under load, but marks the request, and the kit's models
-  skip a marked request they have not begun: server.cancel_marks) and once straight to tritonserver's own
+  skip a marked request they have not begun: upstream.cancel_marks) and once straight to tritonserver's own
   gRPC port (the ensemble drops a cancelled request between its steps; safe from Triton 2.53 only).
 
 Writes <results>/traffic-<UTC time>/traffic.json (--out to choose the folder) and prints one line per figure.

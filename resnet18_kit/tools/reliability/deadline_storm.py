@@ -4,7 +4,7 @@ A client the kit does not control: plain `tritonclient.grpc` `infer` calls to th
 `threads` at once, each with a `client_timeout` drawn uniformly from `deadline_ms` (e.g. 1-50 ms), so
 most of them expire, and the RPC is cancelled, while the request waits in a full queue or runs. Against
 an unprotected 2.51 server this ends in SIGSEGV or heap corruption within a few rounds (server issue 7368;
-docs/reliability.md "Deadlines and cancellation"); against the kit's gRPC guard (server.grpc_guard) the
+docs/reliability.md "Deadlines and cancellation"); against the kit's gRPC guard (upstream.grpc_guard) the
 server must live through it.
 
 `storm` sends one round and says what came back; `cancel_storm` is the same round sent by the kit's own

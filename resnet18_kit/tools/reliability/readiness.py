@@ -1,5 +1,5 @@
 """Readiness while the queue is full: what an operator or a load balancer sees while a model refuses
-requests (readiness stays true; the queue gauge of server.overload shows the overload)."""
+requests (readiness stays true; the queue gauge of upstream.overload shows the overload)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +18,7 @@ from resnet18_kit.server.config import ServerConfig
 def readiness_under_overload(config: ServerConfig, requests: int = 30) -> dict:
     """Overload reliability_echo (8 queued + 4 executing at most) with `requests` at once over gRPC and,
     while it refuses, read what an operator or a load balancer sees: /v2/health/ready (HTTP and gRPC),
-    model readiness, and nv_inference_pending_request_count at its highest (server.overload).
+    model readiness, and nv_inference_pending_request_count at its highest (upstream.overload).
 
     Returns the outcomes' summary (load.outcomes.summarize) with "model", "max_queue_size",
     "max_batch_size", "overload_threshold", "at_highest_pending" ({"pending", "server_ready_http",
@@ -27,7 +27,7 @@ def readiness_under_overload(config: ServerConfig, requests: int = 30) -> dict:
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    from resnet18_kit.server.overload import PENDING_GAUGE, queue_limits
+    from resnet18_kit.upstream.overload import PENDING_GAUGE, queue_limits
 
     limit = queue_limits((RELIABILITY_REPOSITORY,))[ECHO_MODEL]
     seen: dict = {"pending": 0}

@@ -36,7 +36,7 @@ def refusal_latency(config: ServerConfig, protocol: str, load: TensorLoad, secon
     Returns {"protocol", "model", "fillers" (how many), "probe_threads", "probes", "fillers_outcomes"} (both summarize()
     dicts: counts, "refused_ms" p50 / p99 / max). RuntimeError when the queue never fills in 60 s.
     """
-    from resnet18_kit.server.overload import queue_limits
+    from resnet18_kit.upstream.overload import queue_limits
 
     limit = queue_limits((Path(config.model_repository), *map(Path, config.extra_model_repositories)))[load.model]
     fillers = limit.max_queue_size + limit.max_batch_size + 16

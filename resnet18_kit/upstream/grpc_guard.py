@@ -18,11 +18,11 @@ What the guard does: it listens where gRPC clients connect and forwards every ca
     whose deadline passes, gets its status from its own gRPC library at once; the guard keeps waiting
     for Triton's answer and drops it. A stream whose client goes away is half-closed upstream and read
     to its end;
-  * a ModelInfer whose client goes while Triton holds it is marked cancelled (server.cancel_marks): the
+  * a ModelInfer whose client goes while Triton holds it is marked cancelled (upstream.cancel_marks): the
     kit's Python models answer it CANCELLED without computing it unless they have already begun;
   * a ModelInfer that arrives with its deadline already past is answered DEADLINE_EXCEEDED and not sent;
   * a ModelInfer to a model with the response cache that asks for some of its outputs asks for all of
-    them upstream and gets its answer trimmed back (server.guard_requests: Triton 2.51's cache key
+    them upstream and gets its answer trimmed back (upstream.guard_requests: Triton 2.51's cache key
     ignores the outputs asked for);
   * every other call (health, metadata, config, statistics, model control, shared memory) is forwarded
     byte for byte, with the client's metadata (the admin-key header included).
@@ -30,7 +30,7 @@ Forwarded calls end when Triton answers; a wedged server is the supervisor's to 
 (server.supervisor), which closes the connection and fails them with UNAVAILABLE.
 
 The guard is a process of its own, `resnet18-kit grpc-guard` (its own interpreter: no GIL shared with the
-program that starts it, which may be a load generator): `GrpcGuard` (server.guard_process) starts it,
+program that starts it, which may be a load generator): `GrpcGuard` (upstream.guard_process) starts it,
 waits until it listens and stops it (SIGTERM: it stops listening, gives calls in flight --grace-s, exits
 0); EmbeddedTritonServer does that for every server whose config has `triton_grpc_port`. Alone, in front
 of any Triton 2.51 server:
@@ -53,9 +53,9 @@ from pathlib import Path
 
 import grpc
 
-from resnet18_kit.server.guard_requests import (TIMEOUT_PARAMETER, CachedOutputs, set_timeout, trim,  # noqa: F401
+from resnet18_kit.upstream.guard_requests import (TIMEOUT_PARAMETER, CachedOutputs, set_timeout, trim,  # noqa: F401
                                                 widen, with_timeout)
-from resnet18_kit.server.cancel_marks import Marks, new_token, tagged
+from resnet18_kit.upstream.cancel_marks import Marks, new_token, tagged
 from resnet18_kit.server.config import PortBusyError
 from resnet18_kit.server.resources import busy_port
 
@@ -110,7 +110,7 @@ class GuardServer:
         self.listen_host = listen_host
         self.listen_port = listen_port
         self.upstream = upstream
-        self.marks = marks  # where cancelled ModelInfer calls are marked for the models (server.cancel_marks)
+        self.marks = marks  # where cancelled ModelInfer calls are marked for the models (upstream.cancel_marks)
         self.counts = GuardCounts()
         self._server = None
         self._channel = None
@@ -270,7 +270,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "counts are the last line of the guard's output)")
     parser.add_argument("--cancel-marks", type=Path, metavar="FOLDER",
                         help="an existing folder where a ModelInfer whose client went away is marked "
-                             "cancelled, for models that look (server.cancel_marks; tritonserver gets the "
+                             "cancelled, for models that look (upstream.cancel_marks; tritonserver gets the "
                              "folder as RESNET18_KIT_CANCEL_MARKS); emptied and removed at exit")
 
 

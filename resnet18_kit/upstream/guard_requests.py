@@ -1,7 +1,7 @@
-"""How the gRPC guard (server.grpc_guard) rewrites a ModelInfer on its way to tritonserver, and its answer.
+"""How the gRPC guard (upstream.grpc_guard) rewrites a ModelInfer on its way to tritonserver, and its answer.
 
 The timeout: `with_timeout` / `set_timeout` put the client's remaining deadline in the request's `timeout`
-parameter (module doc of server.grpc_guard).
+parameter (module doc of upstream.grpc_guard).
 
 The outputs of a cached model, against a Triton 2.51 defect of the response cache: its key is the model, its
 version and the request's inputs (core src/cache_manager.cc, TritonCache::Hash), not the outputs the

@@ -1,4 +1,4 @@
-"""`GrpcGuard`: the gRPC guard (server.grpc_guard) as a process of its own, `resnet18-kit grpc-guard`,
+"""`GrpcGuard`: the gRPC guard (upstream.grpc_guard) as a process of its own, `resnet18-kit grpc-guard`,
 started, waited for until it listens, read (its counts) and stopped by the program that serves."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from resnet18_kit.server.config import PortBusyError
-from resnet18_kit.server.grpc_guard import GuardCounts
+from resnet18_kit.upstream.grpc_guard import GuardCounts
 
 
 class GrpcGuard:
@@ -28,7 +28,7 @@ class GrpcGuard:
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
         self._folder = tempfile.mkdtemp(prefix="grpc-guard-")
-        self.marks_folder = Path(self._folder) / "marks"  # server.cancel_marks
+        self.marks_folder = Path(self._folder) / "marks"  # upstream.cancel_marks
         self.marks_folder.mkdir()
 
     def start(self, timeout_s: float = 30.0) -> None:

@@ -1,6 +1,6 @@
 """Cancellation that Triton 2.51 survives: the marks the gRPC guard leaves for the kit's Python models.
 
-A gRPC cancellation reaching Triton 2.51 under load crashes it (server.grpc_guard), so the guard never
+A gRPC cancellation reaching Triton 2.51 under load crashes it (upstream.grpc_guard), so the guard never
 passes one on, and a request whose client went away used to run to its end. With marks it does not:
   * every ModelInfer the guard forwards gets the request parameter PARAMETER, a fresh token of 32 hex
     digits (`tagged`: a map entry appended to the serialized request, so the request is not re-encoded;
