@@ -133,7 +133,9 @@ def priority_run(config: ServerConfig, photo_paths: list[Path], out: Path, concu
     """The priority scenario (module doc) against the running server of `config`; perf_analyzer's files
     under out/. The flood runs alone before and after the two runs with the trickle (the machine drifts).
     Returns {"idle", "bulk_alone", "with_priority", "without_priority", "bulk_alone_again",
-    "bulk_ratio" (flood infer/s with the priority trickle / the mean alone), "full_batch_ms"}."""
+    "bulk_ratio" (flood infer/s with the priority trickle / the mean alone), "served_ratio" (the same with
+    the trickle's answers per second of that run added: what the server served in all, the trickle's
+    share included), "full_batch_ms"}."""
     photos = [path.read_bytes() for path in photo_paths]
     # Three windows of window_s each, whatever their spread: a flood of a fixed length for every config.
     spec = LoadSpec("concurrency", (concurrency,), input_data=write_input_data(photo_paths, out / "photos.json"),
@@ -147,16 +149,20 @@ def priority_run(config: ServerConfig, photo_paths: list[Path], out: Path, concu
         trickle = None if priority is None else Trickle(config.grpc_url, photos, priority, interval_s, delay_s=1.0)
         if trickle:
             trickle.start()
+        started = time.monotonic()
         row = run_level(ENSEMBLE_MODEL, config.grpc_url, "grpc", spec, concurrency, out / name)
         entry = {"bulk_infer_per_s": row.throughput}
         if trickle:
             trickle.stop()
             entry.update(latency_summary_ms(trickle.latencies_s), errors=len(trickle.errors),
-                         error_examples=trickle.errors[:2])
+                         error_examples=trickle.errors[:2],
+                         trickle_per_s=len(trickle.latencies_s) / (time.monotonic() - started))
         record[name] = entry
     record["full_batch_ms"] = full_batch_ms(config)
     alone = (record["bulk_alone"]["bulk_infer_per_s"] + record["bulk_alone_again"]["bulk_infer_per_s"]) / 2
     record["bulk_ratio"] = record["with_priority"]["bulk_infer_per_s"] / alone
+    with_priority = record["with_priority"]
+    record["served_ratio"] = (with_priority["bulk_infer_per_s"] + with_priority["trickle_per_s"]) / alone
     return record
 
 
