@@ -20,10 +20,10 @@ cd "$(dirname "$0")/.."
 
 layer=${1:-demo}
 case "$layer" in
-  demo)  extras=serve,export; debian=(); tools=() ;;
-  image) extras=serve,export; debian=(); tools=(docker) ;;
-  check) extras=test; debian=(libb64-0d); tools=() ;;
-  test)  extras=test; debian=(libb64-0d); tools=(tools docker) ;;
+  demo)  extras=serve,export; debian=(); tools=(); model_analyzer=no ;;
+  image) extras=serve,export; debian=(); tools=(docker); model_analyzer=no ;;
+  check) extras=test; debian=(libb64-0d); tools=(); model_analyzer=no ;;
+  test)  extras=test; debian=(libb64-0d); tools=(tools docker); model_analyzer=yes ;;
   *) echo "setup: unknown layer '$layer' (demo, check, test or image)" >&2; exit 2 ;;
 esac
 
@@ -62,7 +62,7 @@ fi
 if [ ${#tools[@]} -gt 0 ]; then
   scripts/setup_deploy_tools.sh "${tools[@]}"
 fi
-if [ "$layer" = test ]; then
+if [ "$model_analyzer" = yes ]; then
   echo "setup ($layer): Triton Model Analyzer in .venv-model-analyzer/ (pinned by constraints-model-analyzer.txt)" >&2
   "$VENV/bin/resnet18-kit" model-analyzer --install-only
 fi

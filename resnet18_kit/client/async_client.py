@@ -80,6 +80,14 @@ class AsyncTritonClassifierClient(ClientCore):
         if not request.cancelled():
             request.exception()  # retrieved: nobody waits for it any more
 
+    async def _run_inference(self, steps: Steps):
+        """_run for an inference: one at a time on this client when it uses shared memory (its regions are
+        reused by every call)."""
+        if not self.shared_memory:
+            return await self._run(steps)
+        async with self._lock:
+            return await self._run(steps)
+
     async def _run(self, steps: Steps):
         """Drive a core operation: await each Call, asyncio.sleep each Sleep, return the result."""
         done, step = advance(steps)
@@ -154,19 +162,13 @@ class AsyncTritonClassifierClient(ClientCore):
             The InferenceError subclasses of `TritonClassifierClient.classify`; ValueError for bad
             arguments.
         """
-        if not self.shared_memory:
-            return await self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
-        async with self._lock:
-            return await self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
+        return await self._run_inference(self._classify(images, top_k, model, deadline_s, priority, cancel))
 
     async def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,
                            priority: int = 0, cancel: asyncio.Event | None = None) -> np.ndarray:
         """Run the network alone: numpy float32 [N, 3, 224, 224] (normalized RGB) -> float32 [N, 1000]
         logits; arguments, errors and `cancel` as for `classify` and `TritonClassifierClient.infer_tensor`."""
-        if not self.shared_memory:
-            return await self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
-        async with self._lock:
-            return await self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
+        return await self._run_inference(self._infer_tensor(batch, model, deadline_s, priority, cancel))
 
     async def close(self) -> None:
         """Await the inferences the caller stopped waiting for (each within its RPC deadline, so no request

@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def classify_files(files: list[Path], url: str, protocol: str, top_k: int = 5, concurrency: int = 4,
                    model: str = ENSEMBLE_MODEL, deadline_s: float = 60.0, progress: bool = False,
-                   priority: int = 0, shared_memory: bool = False) -> Iterator[tuple[Path, list[Prediction] | Exception]]:
+                   priority: int = 0,
+                   shared_memory: bool = False) -> Iterator[tuple[Path, list[Prediction] | Exception]]:
     """Classify each file in its own request, `concurrency` at a time: that many threads, each with its
     own client, which it also closes (so a request past its deadline is waited for, never cancelled:
     client.sync_client). Yields (path, top_k predictions) in input order; a failed file gets its exception

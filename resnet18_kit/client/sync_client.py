@@ -177,6 +177,14 @@ class TritonClassifierClient(ClientCore):
             except Exception:  # its answer or error was no longer wanted
                 pass
 
+    def _run_inference(self, steps: Steps):
+        """_run for an inference: one at a time on this client when it uses shared memory (its regions are
+        reused by every call)."""
+        if not self.shared_memory:
+            return self._run(steps)
+        with self._lock:
+            return self._run(steps)
+
     def _run(self, steps: Steps):
         """Drive a core operation: perform each Call, sleep each Sleep, return the operation's result."""
         done, step = advance(steps)
@@ -262,10 +270,7 @@ class TritonClassifierClient(ClientCore):
             RequestCancelledError: `cancel` was set.
             ServerUnavailableError: nothing that speaks Triton's protocol at the url.
         """
-        if not self.shared_memory:
-            return self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
-        with self._lock:
-            return self._run(self._classify(images, top_k, model, deadline_s, priority, cancel))
+        return self._run_inference(self._classify(images, top_k, model, deadline_s, priority, cancel))
 
     def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,
                      priority: int = 0, cancel: threading.Event | None = None) -> np.ndarray:
@@ -284,10 +289,7 @@ class TritonClassifierClient(ClientCore):
             ValueError: another shape or dtype. InvalidInputError: N > max_batch_size. The other errors
             as for classify.
         """
-        if not self.shared_memory:
-            return self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
-        with self._lock:
-            return self._run(self._infer_tensor(batch, model, deadline_s, priority, cancel))
+        return self._run_inference(self._infer_tensor(batch, model, deadline_s, priority, cancel))
 
     def close(self) -> None:
         """Wait for the inferences the caller stopped waiting for (each within its RPC deadline, so no

@@ -17,8 +17,8 @@ PLOTS = {"throughput": "pipeline_throughput.png", "steps": "pipeline_steps.png"}
 
 
 def plot_throughput(pipeline: dict, path: Path) -> None:
-    """img/s vs concurrency, one panel per photo set, one colour per variant (solid gRPC, dotted HTTP, dash-dot gRPC with
-    photos in shared memory);
+    """img/s vs concurrency, one panel per photo set, one colour per variant (solid gRPC, dotted HTTP,
+    dash-dot gRPC with photos in shared memory);
     the variant's in-process saturation (mean of before and after) as a dashed line of its colour."""
     sets = list(pipeline["photo_sets"])
     fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.2), squeeze=False)
