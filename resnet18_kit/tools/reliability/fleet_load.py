@@ -52,6 +52,8 @@ class Tally:
     errors: list[str] = field(default_factory=list)
     #: (time.monotonic() when it was answered, latency in ms) of every answered try, in order.
     answered_at: list[tuple[float, float]] = field(default_factory=list)
+    #: (time.monotonic() when it failed, its message) of every failed request, in order.
+    failed_at: list[tuple[float, str]] = field(default_factory=list)
 
     @property
     def lost(self) -> int:
@@ -167,7 +169,9 @@ class FleetLoad:
             time.sleep(wait_s)
 
     def _note(self, message: str) -> None:
+        """Keep a failed request's message (the first 20 in `errors`) and its time (`failed_at`)."""
         with self._lock:
+            self.tally.failed_at.append((time.monotonic(), message))
             if len(self.tally.errors) < 20:
                 self.tally.errors.append(message)
 
