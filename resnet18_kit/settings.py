@@ -10,6 +10,10 @@ Each field comes from its flag, else its environment variable, else its default 
 | protocol           | --protocol           | RESNET18_KIT_PROTOCOL            | http |
 | url                | --url                | RESNET18_KIT_URL                 | 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc |
 | metrics_url        | --metrics-url        | RESNET18_KIT_METRICS_URL         | http://<host of url>:8002/metrics |
+| triton_version     | (none)               | TRITON_SERVER_VERSION            | 2.51.0, the PyPI wheel's release (contract.TRITON_VERSION) |
+
+triton_version is the Triton release `serve` runs, which switches the upstream workarounds
+(resnet18_kit.upstream): NVIDIA's Triton images set TRITON_SERVER_VERSION to theirs.
 
 "The checkout" is the source tree this package sits in (an editable install); an installed package has
 none, and then the folders are relative to the working directory. Nothing here is read at import time.
@@ -21,12 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from resnet18_kit.contract import DEFAULT_PORTS, DEFAULT_URLS, DEFAULT_VARIANT, PROTOCOLS, REPO_ROOT, host_port
+from resnet18_kit.contract import (DEFAULT_PORTS, DEFAULT_URLS, DEFAULT_VARIANT, PROTOCOLS, REPO_ROOT, TRITON_VERSION,
+                                   host_port, parse_version)
 from resnet18_kit.repository import ModelRepository
 
+#: The variable NVIDIA's Triton images set to their release (server build.py's Dockerfiles:
+#: `ENV TRITON_SERVER_VERSION ${TRITON_VERSION}`).
+TRITON_VERSION_ENV = "TRITON_SERVER_VERSION"
 ENV = {"model_repository": "RESNET18_KIT_MODEL_REPOSITORY", "results": "RESNET18_KIT_RESULTS",
        "log_level": "RESNET18_KIT_LOG_LEVEL", "protocol": "RESNET18_KIT_PROTOCOL", "url": "RESNET18_KIT_URL",
-       "metrics_url": "RESNET18_KIT_METRICS_URL"}
+       "metrics_url": "RESNET18_KIT_METRICS_URL", "triton_version": TRITON_VERSION_ENV}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -72,6 +80,7 @@ class Settings:
     protocol: str = "http"
     url: str = DEFAULT_URLS["http"]
     metrics_url: str = metrics_url_for(DEFAULT_URLS["http"])
+    triton_version: str = TRITON_VERSION
 
     @property
     def repository(self) -> ModelRepository:
@@ -113,8 +122,14 @@ class Settings:
         url, source = pick("url")
         url = check_url(str(url), protocol, source) if url else DEFAULT_URLS[protocol]
         metrics_url, _ = pick("metrics_url")
+        triton_version, source = pick("triton_version")
+        try:
+            parse_version(str(triton_version or TRITON_VERSION))
+        except ValueError as exc:
+            raise SettingsError(f"{source}: {exc}") from None
         return cls(model_repository=repository, results=results, log_level=log_level, protocol=protocol,
-                   url=url, metrics_url=str(metrics_url) if metrics_url else metrics_url_for(url))
+                   url=url, metrics_url=str(metrics_url) if metrics_url else metrics_url_for(url),
+                   triton_version=str(triton_version or TRITON_VERSION).strip())
 
 
 def shipped_variants() -> list[str]:

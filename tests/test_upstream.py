@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 import pytest
 
 from resnet18_kit.contract import REPO_ROOT, TRITON_VERSION
 from resnet18_kit.server.__main__ import add_server_arguments, config_from_args
+from resnet18_kit.server.config import config_on_free_ports
 from resnet18_kit.server.embedded import server_command
+from resnet18_kit.server.resources import busy_port
+from resnet18_kit.settings import TRITON_VERSION_ENV, Settings, SettingsError
+from resnet18_kit.tools.reliability import ECHO_MODEL, repository_with
+from resnet18_kit.tools.reliability.lifecycle import ServeRun
+from resnet18_kit.tools.reliability.loads import echo_load
+from resnet18_kit.tools.reliability.senders import send_fresh
 from resnet18_kit.upstream import DEFECTS, banner_line, needs, parse_version, workarounds
+from resnet18_kit.upstream.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
 
 
 RELIABILITY = REPO_ROOT / "docs" / "reliability.md"
@@ -64,3 +73,46 @@ def test_the_banner_names_the_workarounds_and_a_guard_turned_off():
     assert banner_line("2.51.0", guarded=True).startswith("2.51.0: workarounds on for grpc-cancellation, dead-stub")
     assert "grpc-cancellation (guard OFF: --no-grpc-guard)" in banner_line("2.51.0", guarded=False)
     assert "grpc-cancellation" not in banner_line("2.72.0", guarded=False)
+
+
+def test_the_release_is_the_images_variable_else_the_wheels(tmp_path):
+    assert Settings.build(environ={}).triton_version == TRITON_VERSION
+    assert Settings.build(environ={TRITON_VERSION_ENV: "2.72.0"}).triton_version == "2.72.0"
+    with pytest.raises(SettingsError, match=rf"\${TRITON_VERSION_ENV}: not a Triton version: 'latest'"):
+        Settings.build(environ={TRITON_VERSION_ENV: "latest"})
+
+
+def _grpc_holder(config) -> str:
+    return busy_port(config.host, (("gRPC", "--grpc-port", config.grpc_port),)) or "free"
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("reported", [None, "2.72.0"])
+def test_the_wing_is_on_for_the_real_251_and_off_for_a_reported_later_release(tmp_path, reported):
+    """`serve` on the real 2.51 binary: with the release it reports, the gRPC guard holds the client-facing
+    gRPC port and the models get the cancel marks' folder; told by $TRITON_SERVER_VERSION that the release
+    is 2.72.0, nothing of the wing starts: tritonserver's own gRPC holds that port, the request path is
+    direct, and serve warns that the server reports another release."""
+    config = config_on_free_ports(model_repository=repository_with([ECHO_MODEL], tmp_path / "repository"))
+    run = ServeRun(config, tmp_path, environ={TRITON_VERSION_ENV: reported} if reported else {})
+    try:
+        run.wait_ready()
+        holder, answer = _grpc_holder(config), send_fresh(config, "grpc", echo_load(), 3)
+        server_pid = run.server_pid()
+        environ = (Path(f"/proc/{server_pid}/environ").read_bytes().split(b"\0") if server_pid else [])
+        marks = any(item.startswith(CANCEL_MARKS_ENVIRONMENT.encode() + b"=") for item in environ)
+    finally:
+        status = run.terminate()
+    lines = run.stderr_lines()
+    banner = run.log_path.read_text(errors="replace")
+    print(f"\nreported {reported or 'nothing (2.51.0)'}: gRPC port held by {holder}; cancel marks: {marks}")
+    assert answer.kind == "answered", answer
+    assert status == {"exit_status": 0, "leftovers": []}
+    if reported is None:
+        assert "(tritonserver)" not in holder and "taken by pid" in holder and marks
+        assert "the kit's gRPC guard" in banner and not any("WARNING: tritonserver reports" in li for li in lines)
+    else:
+        assert "(tritonserver)" in holder and not marks
+        assert "tritonserver's own: no guard" in banner and "grpc-cancellation" not in banner
+        assert any(f"reports release {TRITON_VERSION}, but the workarounds are those of 2.72.0" in line
+                   for line in lines), lines

@@ -44,15 +44,15 @@ import sys
 import threading
 from pathlib import Path
 
-from resnet18_kit.contract import DEFAULT_VARIANT, TRITON_VERSION
+from resnet18_kit.contract import DEFAULT_VARIANT, TRITON_VERSION, parse_version
 from resnet18_kit.export import ensure_exported, export_needed
 from resnet18_kit.progress import stderr_line
 from resnet18_kit.repository import ModelRepository
-from resnet18_kit.settings import Settings, shipped_variants, shown
+from resnet18_kit.settings import TRITON_VERSION_ENV, Settings, shipped_variants, shown
 from resnet18_kit.server.config import (ADMIN_HEADER, ADMIN_KEY_ENV, DEFAULT_CACHE_BYTES, MAX_CACHE_BYTES,
                                         RESTRICTED_APIS, ConfigurationError, ServerConfig, check_ports_free,
                                         free_port_besides)
-from resnet18_kit.server.embedded import tritonserver_binary
+from resnet18_kit.server.embedded import reported_version, tritonserver_binary
 from resnet18_kit.server.model_control import MODEL_CONTROL_MODES
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
@@ -141,15 +141,17 @@ class InsecureBindError(ValueError):
 
 
 def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict[str, str] | None = None,
-                     triton_version: str = TRITON_VERSION) -> ServerConfig:
+                     triton_version: str | None = None) -> ServerConfig:
     """The ServerConfig for the parsed arguments and the settings' model repository; the admin key comes
     from $TRITON_ADMIN_KEY. The gRPC guard runs where --grpc-guard says, else where `triton_version` (the
-    release served) lacks the fix of the defect it works around (resnet18_kit.upstream).
+    release served; default settings.triton_version) lacks the fix of the defect it works around
+    (resnet18_kit.upstream).
 
     Warns on stderr when the server will be reachable from other machines; raises InsecureBindError
     when it would be reachable without the restricted APIs being locked.
     """
     environ = os.environ if environ is None else environ
+    triton_version = triton_version or settings.triton_version
     admin_key = environ.get(ADMIN_KEY_ENV) or None
     config = ServerConfig(model_repository=settings.model_repository, host=args.host,
                           http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
@@ -185,6 +187,26 @@ def guarded(args: argparse.Namespace, triton_version: str) -> bool:
     """--grpc-guard / --no-grpc-guard when given, else whether `triton_version` needs the guard."""
     grpc_guard = getattr(args, "grpc_guard", None)
     return needs("grpc-cancellation", triton_version) if grpc_guard is None else grpc_guard
+
+
+def version_lines(settings: Settings, config: ServerConfig) -> tuple[str, str | None]:
+    """What the ready banner says after "Triton" (upstream.banner_line for the release the workarounds
+    were switched by, settings.triton_version) and a warning line, or None, when the server reports
+    another release in its metadata (GET /v2): then the workarounds are those of the wrong release, and
+    the warning names the variable to set."""
+    assumed, running = settings.triton_version, reported_version(config.http_url)
+    line = banner_line(assumed, config.triton_grpc_port is not None)
+    if running is None:
+        return line + " (the server did not report its version)", None
+    try:
+        same = parse_version(running) == parse_version(assumed)
+    except ValueError:
+        same = False
+    if same:
+        return line, None
+    return line, (f"serve: WARNING: tritonserver reports release {running}, but the workarounds are those of "
+                  f"{assumed} (${TRITON_VERSION_ENV}, else the PyPI wheel's {TRITON_VERSION}): set "
+                  f"{TRITON_VERSION_ENV}={running} and start again")
 
 
 def guard_note(config: ServerConfig) -> str:
@@ -299,12 +321,15 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         stderr_line(f"serve: {event.kind}: {detail}")
         if event.kind == "ready" and not announced.is_set():
             announced.set()
+            triton, mismatch = version_lines(settings, config)
+            if mismatch:
+                stderr_line(mismatch)
             print(f"\nserve: ready\n"
                   f"  HTTP    http://{config.http_url}   (KServe v2: /v2/health/ready, /v2/models/resnet18/infer)\n"
                   f"  gRPC    {config.grpc_url}{guard_note(config)}\n"
                   f"  metrics {config.metrics_url}\n"
                   f"  config  {config.model_config_name or DEFAULT_VARIANT}{control_note(config)}\n"
-                  f"  Triton  {banner_line(TRITON_VERSION, config.triton_grpc_port is not None)}\n"
+                  f"  Triton  {triton}\n"
                   f"  try:    resnet18-kit classify --url {config.http_url} <images>\n"
                   f"serve: Ctrl-C or SIGTERM to stop", flush=True)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
+import json
 import os
 import secrets
 import shutil
@@ -155,6 +156,17 @@ def answers_ready(http_url: str, timeout_s: float = 2.0) -> bool:
             return response.status == 200
     except (OSError, ValueError):  # not listening yet, 400 while not ready (HTTPError), a reset
         return False
+
+
+def reported_version(http_url: str, timeout_s: float = 2.0) -> str | None:
+    """The release the server at `http_url` reports in its KServe v2 server metadata (GET /v2: {"name":
+    "triton", "version": "2.51.0", ...}); None when it does not answer with one within `timeout_s` s."""
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2", timeout=timeout_s) as response:
+            version = json.load(response).get("version")
+    except (OSError, ValueError, AttributeError):  # no answer, not JSON, not an object
+        return None
+    return version if isinstance(version, str) else None
 
 
 class EmbeddedTritonServer:

@@ -2,13 +2,15 @@
 
 `fixed_in` is the first Triton release with the whole fix, as read from the upstream pull requests and
 release notes (None: no release known to the kit has it); a workaround is on while the running release
-(`TRITON_VERSION` for the PyPI server `serve` runs) is older. `reproduced_by` names the test that shows the
-defect on 2.51 or the kit's answer to it.
+is older: Settings.triton_version ($TRITON_SERVER_VERSION, which NVIDIA's images set, else the PyPI
+wheel's contract.TRITON_VERSION), which `serve` checks against the version the server reports.
+`reproduced_by` names the test that shows the defect on 2.51 or the kit's answer to it.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from resnet18_kit.contract import parse_version
 
 
 @dataclass(frozen=True)
@@ -53,14 +55,6 @@ DEFECTS: tuple[Defect, ...] = (
            "numpy<2; bench gpu brings numpy 1.26 for its stubs", "tests/test_gpu_run.py"),
 )
 _BY_KEY = {defect.key: defect for defect in DEFECTS}
-
-
-def parse_version(version: str) -> tuple[int, int, int]:
-    """"2.51.0" (or "2.51", "2.72.0dev") -> (2, 51, 0). ValueError for anything else."""
-    match = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
-    if not match:
-        raise ValueError(f"not a Triton version: {version!r} (e.g. 2.51.0)")
-    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 
 def needs(key: str, version: str) -> bool:

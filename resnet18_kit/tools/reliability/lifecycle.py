@@ -156,15 +156,16 @@ class ServeRun:
     """One serve child process in its own session, stderr and stdout to `log_path` (tritonserver's log
     beside it). Records the processes it starts so that `leftovers()` can tell which outlived it."""
 
-    def __init__(self, config: ServerConfig, work_dir: Path, command: list[str] | None = None):
+    def __init__(self, config: ServerConfig, work_dir: Path, command: list[str] | None = None,
+                 environ: dict[str, str] | None = None):
         self.config = config
         self.log_path = work_dir / "serve.log"
         work_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "wb") as log:  # environ: variables added to environment_without_admin_key()
             self.process = subprocess.Popen(command or serve_command(config, work_dir / "tritonserver.log"),
                                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True,
-                                            env=environment_without_admin_key())
+                                            env={**environment_without_admin_key(), **(environ or {})})
         self.started = time.monotonic()
         self.seen: dict[int, str] = {}
 
