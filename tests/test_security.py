@@ -76,8 +76,18 @@ def test_restricted_apis_refuse_requests_without_the_key_and_serve_those_with_it
     key = secrets.token_hex(16)
     config = config_on_free_ports(model_repository=repository_with([ECHO_MODEL], tmp_path / "repository"),
                                   admin_key=key, exit_timeout_s=5, model_control=model_control)
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(b"never sent")
     with EmbeddedTritonServer(config, log_path=tmp_path / "tritonserver.log"):
         rows = restricted_api_checks(config)
+        # classify --shared-memory without the key: one line and exit 2 before any image is sent
+        refused = subprocess.run([sys.executable, "-m", "resnet18_kit", "classify", "--url", config.http_url,
+                                  "--model", ECHO_MODEL, "--shared-memory", str(photo)], cwd=REPO_ROOT,
+                                 capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert refused.stderr.startswith(f"resnet18-kit classify: --shared-memory: the Triton server at {config.http_url}"
+                                     " (http) cannot use this host's shared memory ("), refused.stderr
+    assert "leave --shared-memory out" in refused.stderr
     for row in rows:
         print(row)
     for row in rows:

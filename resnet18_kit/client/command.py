@@ -9,8 +9,8 @@ until --deadline-s. --priority 1 puts the requests ahead of default-priority tra
 (0, the default: the models' default level, 2). A folder stands for the image files under it: every suffix the server's decoder
 (Pillow) opens, .avif included; other files found there are named once on stderr. --shared-memory passes
 each photo through a system shared-memory region instead of the socket (a server on this host only: one
-elsewhere fails each image, naming the region it cannot open); the server then spends less per image
-(docs/benchmarks.md).
+that cannot open this host's regions, or that locks shared memory behind an admin key, is one line and
+exit 2 before anything is sent); the server then spends less per image (docs/benchmarks.md).
 
 Output (stdout): per image, its top-k labels with probabilities in percent (the ensemble's softmax) and
 logits; or with --json one JSON object per image and line, and nothing else on stdout:
@@ -42,6 +42,7 @@ from resnet18_kit.client.backoff import RetryPolicy
 from resnet18_kit.client.sync_client import Prediction, TritonClassifierClient
 from resnet18_kit.client.errors import InferenceError, NotTritonError
 from resnet18_kit.client.samples import expand_paths
+from resnet18_kit.client.shared_memory import TensorRegions
 from resnet18_kit.contract import ENSEMBLE_MODEL, NUM_CLASSES
 from resnet18_kit.options import add_server_address_options
 
@@ -148,9 +149,11 @@ def format_predictions(path: Path, predictions: list[Prediction], mark: str = ""
     return "\n".join(lines)
 
 
-def check_server(url: str, protocol: str, model: str, priority: int = 0) -> tuple[str | None, bool | None]:
+def check_server(url: str, protocol: str, model: str, priority: int = 0,
+                 shared_memory: bool = False) -> tuple[str | None, bool | None]:
     """(None, weights_meaningful) when `url` is a ready Triton server speaking `protocol` with `model`
-    ready and serving `priority`; else (a one-line message saying what is wrong, None). weights_meaningful: True, False or None
+    ready and serving `priority` (and, with `shared_memory`, able to register a region of this host);
+    else (a one-line message saying what is wrong, None). weights_meaningful: True, False or None
     (unknown), from the served config (TritonClassifierClient.weights_meaningful)."""
     where = f"{url} ({protocol})"
     try:
@@ -164,6 +167,9 @@ def check_server(url: str, protocol: str, model: str, priority: int = 0) -> tupl
                 client.check_priority(model, priority)
             except ValueError as exc:
                 return f"--{exc}", None
+            problem = shared_memory_problem(client.raw, where) if shared_memory else None
+            if problem:
+                return problem, None
             try:
                 return None, client.weights_meaningful(model)
             except InferenceError:
@@ -175,6 +181,26 @@ def check_server(url: str, protocol: str, model: str, priority: int = 0) -> tupl
         return f"cannot reach a Triton server at {where}: {detail}", None
     except ValueError as exc:  # contract.host_port: not a host:port
         return f"--url: {exc}", None
+
+
+def shared_memory_problem(raw_client, where: str) -> str | None:
+    """One line when the server behind `raw_client` (a tritonclient client) cannot register a system
+    shared-memory region of this host (another host or container, or the API locked by an admin key),
+    else None. Registers and unregisters one 4 KiB region, then destroys it."""
+    from tritonclient.utils import InferenceServerException
+
+    regions = TensorRegions("classify_check", 4096)
+    try:
+        for name, key, size in regions.registrations():
+            raw_client.register_system_shared_memory(name, key, size)
+            raw_client.unregister_system_shared_memory(name)
+    except InferenceServerException as exc:
+        detail = " ".join((exc.message() or str(exc)).split())[:200]
+        return (f"--shared-memory: the Triton server at {where} cannot use this host's shared memory "
+                f"({detail}); leave --shared-memory out")
+    finally:
+        regions.close()
+    return None
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
@@ -216,7 +242,8 @@ def run(settings, args: argparse.Namespace) -> int:
     if not files:
         say(f"no image files in {' '.join(map(str, args.paths))}")
         return 2
-    problem, weights_meaningful = check_server(settings.url, settings.protocol, args.model, args.priority)
+    problem, weights_meaningful = check_server(settings.url, settings.protocol, args.model, args.priority,
+                                               shared_memory=args.shared_memory)
     if problem:
         say(problem)
         return 2
