@@ -70,6 +70,9 @@ def test_an_interactive_request_jumps_a_bulk_flood(uncached_server, tmp_path):
     # The default-level trickle waits behind the whole flood in both queues; the priority one does not.
     assert with_priority["p99_ms"] < 0.6 * without["p50_ms"], record
     assert record["served_ratio"] > 0.85, record
+    line = next(li for li in traffic.summary_lines({"priority": record}) if li.startswith("priority: flood"))
+    assert f"served in all, the trickle's {with_priority['trickle_per_s']:.1f} answers/s added: " \
+           f"{record['served_ratio']:.3f}" in line, line
 
 
 def test_a_priority_the_model_does_not_serve_is_refused_in_one_line(uncached_server):

@@ -278,7 +278,9 @@ def summary_lines(record: dict) -> list[str]:
                      f"({p['with_priority']['requests']} / {p['without_priority']['requests']} requests)")
         lines.append(f"priority: flood {p['bulk_alone']['bulk_infer_per_s']:.1f} / {p['bulk_alone_again']['bulk_infer_per_s']:.1f} "
                      f"infer/s alone (before / after), {p['with_priority']['bulk_infer_per_s']:.1f} beside the priority "
-                     f"trickle: {p['bulk_ratio']:.3f} (target >= 0.95: {'met' if p['bulk_ratio'] >= 0.95 else 'MISSED'})")
+                     f"trickle ({p['bulk_ratio']:.3f}); served in all, the trickle's "
+                     f"{p['with_priority']['trickle_per_s']:.1f} answers/s added: {p['served_ratio']:.3f} of the flood "
+                     f"alone (target >= 0.95: {'met' if p['served_ratio'] >= 0.95 else 'MISSED'})")
     if "cache" in record:
         c = record["cache"]
         for entry in c["photos"]:
