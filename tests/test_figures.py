@@ -35,20 +35,24 @@ def write_bench(folder: Path, pipeline: bool = True, configs: bool = False) -> P
     summary = {"command": "resnet18-kit bench run", "started_utc": "2026-11-23T06:45:17+00:00", "elapsed_s": 1.0,
                "model": "resnet18_onnx", "configs": [], "inprocess": [], "targets": []}
     if pipeline:
-        inproc = {"saturation_img_per_s": 100.0, "batch1_p50_ms": 10.0, "batch1_p99_ms": 12.0}
+        inproc = {"saturation_img_per_s": 100.0, "batch1_p50_ms": 10.0, "batch1_p99_ms": 12.0,
+                  "saturation_cpu_ms_per_image": 20.0}
         variants = []
         for name, scale in (("default", 0.5), ("int8", 1.0)):
             entries = [{"photos": photos, "inprocess": inproc, "inprocess_before": inproc, "inprocess_after": inproc,
                         "protocols": [{"protocol": protocol, "concurrency": [
                             {**perf_row(c, 20 * c * scale, 30.0 * c), "steps": {"preprocess": step}}
-                            for c in (1, 2, 4)]} for protocol in ("grpc", "http")]}
+                            for c in (1, 2, 4)], "best_server_cpu_ms_per_inference": {"total": 25.0}}
+                            for protocol in ("grpc", "http")]}
                        for photos in ("sample", "12mp")]
             variants.append({"variant": name, "photo_sets": entries})
         summary["pipeline"] = {"photo_sets": {"sample": [{"file": "a.png", "bytes": 1}],
                                               "12mp": [{"file": "a.jpg", "bytes": 2}]}, "variants": variants}
     if configs:
-        summary["configs"] = [{"name": name, "max_batch_size": 16,
-                               "concurrency": [perf_row(c, 10.0 * c, 20.0 * c) for c in (1, 4, 16)]}
+        summary["configs"] = [{"name": name, "max_batch_size": 16, "inprocess_bar": {"cpu_ms_per_image": 8.0},
+                               "concurrency": [{**perf_row(c, 10.0 * c, 20.0 * c),
+                                                "server_cpu_ms_per_inference": {"total": 10.0 * c / 16}}
+                                               for c in (1, 4, 16)]}
                               for name in ("default", "latency")]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "summary.json").write_text(json.dumps(summary))
@@ -127,6 +131,9 @@ def test_the_tensor_sweeps_also_write_the_docs_tables_and_their_backing_file(tmp
     assert [row["variant"] for row in data["rows"]] == [config["name"] for config in summary["configs"]]
     best = max(summary["configs"][0]["concurrency"], key=lambda row: row["throughput"])["throughput"]
     assert data["rows"][0]["infer_per_s"] == round(best, 1)
+    # CPU per inference at the saturation level (16: 10 ms) over the bar's 8 ms; end to end 25 / 20 ms
+    assert (data["rows"][0]["server_cpu_ms"], data["rows"][0]["cpu_ratio"]) == (10.0, 1.25)
+    assert data["rows"][0]["end_to_end_cpu_ratio"] == 1.25 and data["rows"][1]["end_to_end_cpu_ratio"] is None
     text = page.read_text()
     assert "| `gpu` | a GPU machine | - | - | - |" in text and text.endswith("\n\nafter\n")
     assert f"{round(best, 1):g} (" in text

@@ -9,7 +9,11 @@ One row per config variant of the tensor sweeps (summary.json "configs"):
   * of the in-process bar: that throughput / the config's in-process bar (summary "inprocess_bar_img_per_s":
     the same network file and runtime in its strongest arrangement, no server), a ratio;
   * end to end (img/s): the sample photos through the `resnet18` ensemble (decode, resize, network) over
-    gRPC, the highest img/s of the end-to-end sweep (summary "pipeline"), where that variant was run.
+    gRPC, the highest img/s of the end-to-end sweep (summary "pipeline"), where that variant was run;
+  * CPU per inference (ms): what the server's processes spent (tritonserver, every stub, the gRPC guard
+    where it runs; observe.process_cpu, read from /proc over the saturation level's window) per inference,
+    against the in-process bar's CPU per image, and their ratio (`cpu_ratio`; None where a summary
+    predates the measure); end to end the same for the sample photos over gRPC (`end_to_end_cpu_ratio`).
 The verdict line under the table names the variant with the lowest p50 at concurrency 1 and the one with
 the most infer/s. tests/test_docs.py checks each page's table against docs/figures/configs.json.
 """
@@ -43,6 +47,9 @@ def config_rows(summary: dict) -> list[dict]:
         levels = sorted(config["concurrency"], key=lambda row: row["level"])
         low, best = levels[0], saturation_row(config)
         bar = config.get("inprocess_bar_img_per_s")
+        served_cpu = (best.get("server_cpu_ms_per_inference") or {}).get("total")
+        bar_cpu = (config.get("inprocess_bar") or {}).get("cpu_ms_per_image")
+        end_to_end = pipeline.get(config["name"], (None, None, None))
         rows.append({
             "variant": config["name"],
             "low_concurrency": low["level"], "p50_ms": round(low["p50_us"] / 1000, 1),
@@ -51,22 +58,35 @@ def config_rows(summary: dict) -> list[dict]:
             "saturation_p99_ms": round(best["p99_us"] / 1000, 1),
             "inprocess_bar_infer_per_s": round(bar, 1) if bar else None,
             "of_inprocess_bar": round(best["throughput"] / bar, 2) if bar else None,
-            "end_to_end_img_per_s": pipeline[config["name"]][0] if config["name"] in pipeline else None,
-            "end_to_end_inprocess_img_per_s": pipeline[config["name"]][1] if config["name"] in pipeline else None,
+            "end_to_end_img_per_s": end_to_end[0], "end_to_end_inprocess_img_per_s": end_to_end[1],
+            "server_cpu_ms": _rounded(served_cpu), "inprocess_cpu_ms": _rounded(bar_cpu),
+            "cpu_ratio": _ratio(served_cpu, bar_cpu), "end_to_end_cpu_ratio": end_to_end[2],
         })
     return rows
 
 
-def _pipeline_img_per_s(pipeline: dict) -> dict[str, tuple[float, float | None]]:
+def _rounded(value: float | None) -> float | None:
+    return None if value is None or value != value else round(value, 2)
+
+
+def _ratio(served: float | None, inprocess: float | None) -> float | None:
+    return None if not served or not inprocess or inprocess != inprocess else round(served / inprocess, 2)
+
+
+def _pipeline_img_per_s(pipeline: dict) -> dict[str, tuple[float, float | None, float | None]]:
     """variant -> (the highest img/s of the end-to-end sweep for the sample photos over gRPC, the same
-    pipeline's in-process saturation img/s, the mean of before and after the sweep)."""
-    best: dict[str, tuple[float, float | None]] = {}
+    pipeline's in-process saturation img/s, the mean of before and after the sweep, and the server's CPU
+    per image at that level over the in-process pipeline's, None where not measured)."""
+    best: dict[str, tuple[float, float | None, float | None]] = {}
     for variant, entry, run in served_runs(pipeline, PIPELINE_PHOTOS) if pipeline else ():
         name = variant["variant"]
         served = max((row["throughput"] for row in run["concurrency"]), default=0.0)
-        if run["protocol"] == PIPELINE_PROTOCOL and served > best.get(name, (0.0, None))[0]:
-            inprocess = (entry.get("inprocess") or {}).get("saturation_img_per_s")
-            best[name] = (round(served, 1), round(inprocess, 1) if inprocess else None)
+        if run["protocol"] == PIPELINE_PROTOCOL and served > best.get(name, (0.0, None, None))[0]:
+            inprocess = entry.get("inprocess") or {}
+            img_per_s = inprocess.get("saturation_img_per_s")
+            served_cpu = (run.get("best_server_cpu_ms_per_inference") or {}).get("total")
+            best[name] = (round(served, 1), round(img_per_s, 1) if img_per_s else None,
+                          _ratio(served_cpu, inprocess.get("saturation_cpu_ms_per_image")))
     return best
 
 
@@ -120,13 +140,18 @@ def parse_uses(block: str) -> dict[str, str]:
 
 def render_ratios(data: dict) -> str:
     """The benchmarks' table: each config's best served infer/s against its in-process bar."""
-    lines = ["| variant | served infer/s (concurrency) | in-process bar infer/s | served / in-process |",
-             "|---|---|---|---|"]
+    def cell(value):
+        return "-" if value is None else f"{value:g}"
+    lines = ["| variant | served infer/s (concurrency) | in-process bar infer/s | served / in-process | "
+             "CPU ms per inference, server / in-process | photos end to end: CPU ratio |",
+             "|---|---|---|---|---|---|"]
     for row in data["rows"]:
-        bar = "-" if row["inprocess_bar_infer_per_s"] is None else f"{row['inprocess_bar_infer_per_s']:g}"
-        ratio = "-" if row["of_inprocess_bar"] is None else f"{row['of_inprocess_bar']:g}"
+        cpu = "-" if row.get("cpu_ratio") is None else \
+            f"{row['server_cpu_ms']:g} / {row['inprocess_cpu_ms']:g} = {row['cpu_ratio']:g}x"
+        end_to_end = "-" if row.get("end_to_end_cpu_ratio") is None else f"{row['end_to_end_cpu_ratio']:g}x"
         lines.append(f"| `{row['variant']}` | {row['infer_per_s']:g} ({row['saturation_concurrency']:g}) | "
-                     f"{bar} | {ratio} |")
+                     f"{cell(row['inprocess_bar_infer_per_s'])} | {cell(row['of_inprocess_bar'])} | {cpu} | "
+                     f"{end_to_end} |")
     lines += ["", f"`{data['command']}` on {processor_line(data.get('machine', {}))}, results folder {data['results']}; "
                   "`resnet18-kit figures` rewrites this table."]
     return "\n".join(lines)
@@ -141,6 +166,8 @@ def render_headline(data: dict) -> str:
             f"{most['infer_per_s']:g} infer/s")
     if most["of_inprocess_bar"] is not None:
         line += f", {most['of_inprocess_bar']:g} of the same network in-process with every core busy"
+    if most.get("cpu_ratio") is not None:
+        line += f" (its CPU per inference {most['cpu_ratio']:g}x in-process)"
     if end_to_end:
         best = max(end_to_end, key=lambda row: row["end_to_end_img_per_s"])
         line += (f"; photos in, labels out, `{best['variant']}` answers {best['end_to_end_img_per_s']:g} img/s "
