@@ -165,10 +165,10 @@ class ModelControl:
     """The model-control API of the server whose gRPC endpoint is `url` (host:port), with `admin_key`;
     timeout_s: seconds one load may take. Errors are SwapError with one line. A context manager (closes).
 
-    gRPC, not HTTP: Triton 2.51's HTTP server answers a load on one of its worker threads and holds every
-    other request of that thread's connections until the load is done (server issues 8117 and 8958, fix
-    proposed in PR 8737, in no release; tests/test_swap_live.py reproduces it), while its gRPC server loads
-    on a thread of its own."""
+    gRPC, not HTTP: Triton's HTTP server answers a load on one of its worker threads and holds every other
+    request of that thread's connections until the load is done (upstream defect `http-load-holds`, in no
+    fixed release: resnet18_kit.upstream.defects; tests/test_swap_live.py reproduces it), while its gRPC
+    server loads on a thread of its own."""
 
     def __init__(self, url: str, admin_key: str | None, timeout_s: float = DEFAULT_SWAP_TIMEOUT_S):
         import tritonclient.grpc as grpcclient

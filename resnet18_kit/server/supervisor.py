@@ -1,13 +1,12 @@
 """Keep an embedded tritonserver serving without a human: restart it when it dies, when a Python-backend
 stub dies, or when it stops answering.
 
-What Triton 2.51 does on its own (measured here, docs/reliability.md "Faults"): when a model's stub
-process is killed, the model stays READY, `/v2/health/ready` stays 200, and every request to the model
-fails after about 1 s with HTTP 500 / gRPC INTERNAL "Stub process '<instance>' is not healthy.", for
-ever: the Python backend of this release does not restart the stub (server issue #8604). Reloading the
-model through the model-control API brings it back but leaves the dead instance unloadable, which then
-blocks shutdown until the exit timeout. So the supervisor restarts the whole server, which needs no
-model-control call from a client (`serve --model-control none`, the default, keeps that API closed to them).
+Triton does not restart a Python-backend stub that died: its model fails every request with HTTP 500 /
+gRPC INTERNAL "Stub process '<instance>' is not healthy." (and on releases before the fix of upstream
+defect `dead-stub`, resnet18_kit.upstream.defects, it even stays READY). Reloading the model through the
+model-control API (measured on 2.51) leaves the dead instance unloadable, blocking shutdown until the exit timeout.
+So the supervisor restarts the whole server, which needs no model-control call from a client (`serve
+--model-control none`, the default, keeps that API closed to them).
 
 Checks, every `poll_interval_s`:
   * the tritonserver process exited;
@@ -16,7 +15,7 @@ Checks, every `poll_interval_s`:
     stubs beside the old ones, which then leave);
   * `/v2/health/live` has not answered for `unresponsive_after_s`;
   * wedged: no inference answered or executed for `wedged_after_s`, while the health endpoints may still
-    answer 200 (a corrupt heap or stuck threads after a cancellation race in Triton 2.51). A thread probes
+    answer 200 (a corrupt heap or stuck threads: upstream defect `grpc-cancellation`). A thread probes
     every `probe_interval_s` (server.probe: the execution count, and an inference to each step of the ensemble
     when the count did not grow). A stop of a server found wedged does not wait for its exit timeout.
 A restart stops the server (SIGTERM, `restart_drain_s` for the requests other models are serving, then
