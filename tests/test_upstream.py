@@ -69,6 +69,15 @@ def test_serve_puts_the_guard_in_front_only_where_the_release_lacks_the_fix(sett
                             ).triton_grpc_port is None
 
 
+def test_the_stop_unloads_first_on_every_release_known_and_is_turned_off_by_its_flag(settings):
+    """keep-alive-stop has no fix release: the unload before SIGTERM is on for 2.51 and 2.72 alike."""
+    assert needs("keep-alive-stop", "2.72.0") and "keep-alive-stop" in banner_line("2.72.0", guarded=False)
+    for version in ("2.51.0", "2.72.0"):
+        assert config_from_args(settings, parse(), environ={}, triton_version=version).refuse_first
+        assert not config_from_args(settings, parse("--no-refuse-first"), environ={},
+                                    triton_version=version).refuse_first
+
+
 def test_the_banner_names_the_workarounds_and_a_guard_turned_off():
     assert banner_line("2.51.0", guarded=True).startswith("2.51.0: workarounds on for grpc-cancellation, dead-stub")
     assert "grpc-cancellation (guard OFF: --no-grpc-guard)" in banner_line("2.51.0", guarded=False)

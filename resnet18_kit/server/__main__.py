@@ -90,10 +90,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/reliability.md 'Deadlines and cancellation'); tritonserver's own gRPC then "
                              "listens on a free port of 127.0.0.1 (default: on where the release lacks the fix, "
                              "as 2.51 does; --no-grpc-guard exposes tritonserver's gRPC on --grpc-port)")
-    parser.add_argument("--refuse-first", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--refuse-first", action=argparse.BooleanOptionalAction, default=None,
                         help="on a stop, unload the models before tritonserver gets SIGTERM: new requests are "
                              "refused at once (404 / NOT_FOUND 'has no available versions'), those held are "
-                             "answered, none is abandoned (default: on). --no-refuse-first behind a load "
+                             "answered, none is abandoned (default: on where the release has upstream defect "
+                             "keep-alive-stop, which no release has fixed yet). --no-refuse-first behind a load "
                              "balancer whose health check takes the server out: it serves on while the "
                              "balancer moves traffic away (Triton 2.51 then abandons what it holds if clients "
                              "keep sending on open HTTP connections past --exit-timeout-s)")
@@ -159,7 +160,7 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
                           log_verbose=args.log_verbose, admin_key=admin_key,
                           response_cache_bytes=args.response_cache_bytes,
                           model_control=getattr(args, "model_control", "none"),
-                          refuse_first=getattr(args, "refuse_first", True),
+                          refuse_first=switched(args, "refuse_first", "keep-alive-stop", triton_version),
                           triton_grpc_port=(free_port_besides(args.http_port, args.grpc_port, args.metrics_port)
                                             if guarded(args, triton_version) else None))
     if config.model_control != "none" and admin_key is None:
@@ -183,10 +184,16 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
     return config
 
 
+def switched(args: argparse.Namespace, option: str, defect: str, triton_version: str) -> bool:
+    """The on/off `option` (--X / --no-X) when given, else whether `triton_version` has upstream `defect`
+    (resnet18_kit.upstream.needs: its workaround belongs on)."""
+    given = getattr(args, option, None)
+    return needs(defect, triton_version) if given is None else given
+
+
 def guarded(args: argparse.Namespace, triton_version: str) -> bool:
     """--grpc-guard / --no-grpc-guard when given, else whether `triton_version` needs the guard."""
-    grpc_guard = getattr(args, "grpc_guard", None)
-    return needs("grpc-cancellation", triton_version) if grpc_guard is None else grpc_guard
+    return switched(args, "grpc_guard", "grpc-cancellation", triton_version)
 
 
 def version_lines(settings: Settings, config: ServerConfig) -> tuple[str, str | None]:

@@ -47,6 +47,10 @@ DEFECTS: tuple[Defect, ...] = (
            "only the 20 MB image limit, after the body is read", "tests/test_bad_input.py"),
     Defect("queue-timeout-late", "server #7512", "a queue timeout is refused late, at the next scheduling point",
            None, "the kit's clients stop waiting at their own deadline", "tests/test_deadlines.py"),
+    Defect("keep-alive-stop", "server PR #6986, core PR #335 (2.45)",
+           "on SIGTERM open keep-alive HTTP connections are served until the exit timeout, then what the server "
+           "holds is abandoned", None, "serve unloads the models first (upstream.admission; --no-refuse-first)",
+           "tests/test_lifecycle.py"),
     Defect("http-load-holds", "server #8117, #8958; PR #8737",
            "a model load over HTTP holds that thread's HTTP requests", None, "swap loads over gRPC",
            "tests/test_swap_live.py"),
