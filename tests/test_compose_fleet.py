@@ -12,9 +12,9 @@ import pytest
 
 from resnet18_kit.containers.compose import ComposePorts, ComposeProject
 from resnet18_kit.server.embedded import answers_ready
-from resnet18_kit.tools.reliability.compose_checks import (BACK_WITHIN_S, CUT_WITHIN_S, counts, crash, grpc_ready,
-                                                           not_cut_at, ready_inside, wait_for)
-from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
+from resnet18_kit.tools.reliability.compose_checks import (BACK_WITHIN_S, counts, crash, grpc_ready, ready_inside,
+                                                           wait_for)
+from resnet18_kit.tools.reliability.fleet_load import CUT_WITHIN_S, FleetLoad, Tally, not_cut_at
 from resnet18_kit.tools.reliability.loads import ensemble_load, onnx_load, reference_answers
 
 ADMIN_KEY = "compose-fleet-test-admin-key"

@@ -74,6 +74,26 @@ class Tally:
         return out
 
 
+#: Seconds after a SIGKILL within which an answer it cut in transit reaches the client as an error.
+CUT_WITHIN_S = 2.0
+#: What a client gets for an answer a replica had begun to send when it died: HAProxy ends the gRPC stream
+#: without trailers (tritonclient: "Stream removed"), or closes the HTTP connection mid-answer.
+CUT_MARKERS = ("Stream removed", "unavailable (no retry)")
+
+
+def not_cut_at(tally: Tally, killed_at: float, in_flight: int) -> list[str]:
+    """The failures of `tally` that are NOT answers cut in transit by a kill at `killed_at`
+    (time.monotonic()): every failure must come within CUT_WITHIN_S of the kill with a CUT_MARKERS message,
+    and there can be no more of them than requests in flight (`in_flight`, the load's workers). A proxy
+    replays a request whose replica died before answering; an answer already on its way to the client when
+    the process died cannot be replayed by any proxy (only a client that retries hides it)."""
+    bad = [f"{at - killed_at:+.2f} s from the kill: {message}" for at, message in tally.failed_at
+           if not (-0.25 <= at - killed_at <= CUT_WITHIN_S and any(m in message for m in CUT_MARKERS))]
+    if len(tally.failed_at) > in_flight:
+        bad.append(f"{len(tally.failed_at)} cut answers, more than the {in_flight} requests in flight")
+    return bad
+
+
 def try_kind(exc: Exception, retry_dead_stub: bool) -> str:
     """What a failed try got: "refused", "unavailable" (gateway, connection or a stopping server's unloaded
     model: not executed), "dead-stub"

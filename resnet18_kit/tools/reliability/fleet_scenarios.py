@@ -26,7 +26,7 @@ from resnet18_kit.fleet.fleet import Fleet, FleetConfig
 from resnet18_kit.fleet.haproxy import FrontEnd, runtime_socket_in
 from resnet18_kit.observe.metrics import model_counters
 from resnet18_kit.tools.reliability import ECHO_MODEL, RELIABILITY_REPOSITORY
-from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
+from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally, not_cut_at
 from resnet18_kit.tools.reliability.loads import TensorLoad, echo_load, ensemble_load, reference_answers
 from resnet18_kit.server.config import ServerConfig, free_ports
 from resnet18_kit.server.supervisor import SupervisorPolicy
@@ -218,16 +218,20 @@ def replica_killed(repository: Path, workdir: Path, replicas: int = 3, retry: bo
         if server.guard is not None:
             server.guard.process.kill()
         server.process.kill()
-        return watch_pool(fleet, 1)
+        killed_at = time.monotonic()
+        return {**watch_pool(fleet, 1), "killed_at": killed_at}
 
     with Fleet(fleet_config(repository, workdir, replicas, take_out_on_fault=False),
                drain_on_exit=False) as fleet:
         seen, tallies, share = under_load(fleet, identity_load(), kill, retry=retry)
         clients = (f"clients retried {sum(t.retried for t in tallies)} requests" if retry
                    else "plain clients, no retries")
-        return both_rows("replica SIGKILLed", fleet, tallies, share,
+        rows = both_rows("replica SIGKILLed", fleet, tallies, share,
                          f"out of the pool {seen['left_s'] * 1000:.0f} ms after the kill as {seen['how']} "
                          f"(check every 500 ms); UP again after {seen['back_s'] or float('nan'):.1f} s; {clients}")
+        for entry, tally, workers in zip(rows, tallies, (1, 4)):  # failures other than answers cut in transit
+            entry["not_cut_at_kill"] = not_cut_at(tally, seen["killed_at"], in_flight=workers)
+        return rows
 
 
 def stub_killed(repository: Path, workdir: Path, replicas: int = 3) -> list[dict]:
