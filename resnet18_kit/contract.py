@@ -17,15 +17,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: The Triton release of the embedded server (the `tritonserver` in nvidia-pytriton 0.7.0; NGC 24.10).
 TRITON_VERSION = "2.51.0"
-
-
-def parse_version(version: str) -> tuple[int, int, int]:
-    """A Triton release as (major, minor, patch): "2.51.0" (or "2.51", "2.72.0dev") -> (2, 51, 0).
-    ValueError for anything else."""
-    match = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
-    if not match:
-        raise ValueError(f"not a Triton version: {version!r} (e.g. 2.51.0)")
-    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 #: Executable name of the Python backend's per-instance stub process (its first argument is
 #: <repository>/<model>/<version>/model.py).
 STUB_EXECUTABLE = "triton_python_backend_stub"
@@ -53,6 +44,15 @@ def host_port(url: str, protocol: str) -> str:
     if parsed.path.strip("/") or parsed.query or not parsed.hostname or port is None:
         raise ValueError(f"URL {url!r}: give host:port, e.g. {DEFAULT_URLS[protocol]}")
     return parsed.netloc
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """A Triton release as (major, minor, patch): "2.51.0" (or "2.51", "2.72.0dev") -> (2, 51, 0).
+    ValueError for anything else."""
+    match = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    if not match:
+        raise ValueError(f"not a Triton version: {version!r} (e.g. 2.51.0)")
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
 
 #: Model names as the server knows them (directory names under the model repository).
 PREPROCESS_MODEL = "preprocess"

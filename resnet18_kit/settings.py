@@ -123,13 +123,14 @@ class Settings:
         url = check_url(str(url), protocol, source) if url else DEFAULT_URLS[protocol]
         metrics_url, _ = pick("metrics_url")
         triton_version, source = pick("triton_version")
+        triton_version = str(triton_version or TRITON_VERSION).strip()
         try:
-            parse_version(str(triton_version or TRITON_VERSION))
+            parse_version(triton_version)
         except ValueError as exc:
             raise SettingsError(f"{source}: {exc}") from None
         return cls(model_repository=repository, results=results, log_level=log_level, protocol=protocol,
                    url=url, metrics_url=str(metrics_url) if metrics_url else metrics_url_for(url),
-                   triton_version=str(triton_version or TRITON_VERSION).strip())
+                   triton_version=triton_version)
 
 
 def shipped_variants() -> list[str]:

@@ -83,7 +83,7 @@ def test_fleet_replays_what_a_killed_replica_held_a_plain_client_loses_only_answ
         cut = "; ".join(f"failed {at - killed_at:+.2f} s from the kill: {m}" for at, m in tally.failed_at)
         print(f"\ncompose fleet, triton-2 killed ({protocol}, no retries): replica ready again {back_s:.1f} s "
               f"after the kill; {counts(tally)} {cut}", flush=True)
-        assert tally.lost == 0 and not_cut_at(tally, killed_at, in_flight=4) == [], tally.errors
+        assert tally.lost == 0 and not_cut_at(tally, killed_at, in_flight=load.workers) == [], tally.errors
         assert tally.answered == tally.sent - tally.refused > 0
     assert ready_inside(fleet, "triton-1") and ready_inside(fleet, "triton-3")
 

@@ -84,7 +84,7 @@ def test_the_banner_names_the_workarounds_and_a_guard_turned_off():
     assert "grpc-cancellation" not in banner_line("2.72.0", guarded=False)
 
 
-def test_the_release_is_the_images_variable_else_the_wheels(tmp_path):
+def test_the_release_is_the_images_variable_else_the_wheels():
     assert Settings.build(environ={}).triton_version == TRITON_VERSION
     assert Settings.build(environ={TRITON_VERSION_ENV: "2.72.0"}).triton_version == "2.72.0"
     with pytest.raises(SettingsError, match=rf"\${TRITON_VERSION_ENV}: not a Triton version: 'latest'"):

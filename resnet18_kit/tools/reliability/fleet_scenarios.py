@@ -151,6 +151,10 @@ class CountWatch:
         return shares([0.0] * len(self.totals), self.totals)
 
 
+#: under_load's senders: (protocol, workers): HTTP one connection, gRPC four calls on one channel.
+UNDER_LOAD_WORKERS = (("http", 1), ("grpc", 4))
+
+
 def under_load(fleet: Fleet, load: TensorLoad, action, seconds_before_s: float = 2.0, seconds_after_s: float = 2.0,
                retry_dead_stub: bool = False, retry: bool = True) -> tuple[dict, list[Tally], list[float]]:
     """Run `action(fleet)` (its return value first in the result) while HTTP (one connection) and gRPC
@@ -162,7 +166,7 @@ def under_load(fleet: Fleet, load: TensorLoad, action, seconds_before_s: float =
     with watch, ExitStack() as stack:
         loads = [stack.enter_context(FleetLoad(front, p, load, workers=w, retry_dead_stub=retry_dead_stub,
                                                pause_s=0.002, retry=retry))
-                 for p, w in (("http", 1), ("grpc", 4))]
+                 for p, w in UNDER_LOAD_WORKERS]
         time.sleep(seconds_before_s)
         result = action(fleet)
         time.sleep(seconds_after_s)
@@ -229,7 +233,7 @@ def replica_killed(repository: Path, workdir: Path, replicas: int = 3, retry: bo
         rows = both_rows("replica SIGKILLed", fleet, tallies, share,
                          f"out of the pool {seen['left_s'] * 1000:.0f} ms after the kill as {seen['how']} "
                          f"(check every 500 ms); UP again after {seen['back_s'] or float('nan'):.1f} s; {clients}")
-        for entry, tally, workers in zip(rows, tallies, (1, 4)):  # failures other than answers cut in transit
+        for entry, tally, (_, workers) in zip(rows, tallies, UNDER_LOAD_WORKERS):  # failures not cut in transit
             entry["not_cut_at_kill"] = not_cut_at(tally, seen["killed_at"], in_flight=workers)
         return rows
 
