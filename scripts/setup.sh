@@ -11,7 +11,7 @@
 #   scripts/setup.sh test    `make test`, the whole suite: check + the deployment tools and a Docker engine
 #                            (scripts/setup_deploy_tools.sh tools docker) + Triton Model Analyzer in its own venv,
 #                            .venv-model-analyzer/ (`resnet18-kit model-analyzer --install-only`, about 600 MB).
-#   scripts/setup.sh image   `make image`: demo + a Docker engine and debootstrap (setup_deploy_tools.sh docker).
+#   scripts/setup.sh image   `make image`: demo + a Docker engine and mmdebstrap (setup_deploy_tools.sh docker).
 #
 # Debian packages are installed with apt-get when missing (the machine runs as root); not root? the script names
 # the `sudo apt-get install ...` to run, then rerun it.

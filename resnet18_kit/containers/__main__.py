@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "monitoring (Prometheus)")
     image.add_argument("--base-image", default=DEFAULT_BASE_IMAGE,
                        help=f"the Debian 12 image to build on (default {DEFAULT_BASE_IMAGE}; made with "
-                            "debootstrap when it cannot be pulled)")
+                            "mmdebstrap when it cannot be pulled)")
     engine = sub.add_parser("engine", help="a private dockerd for machines without a Docker engine")
     engine.add_argument("action", choices=("start", "stop", "status"))
 

@@ -5,10 +5,12 @@
     triton-resnet18:haproxy-2.6   deploy/docker/haproxy.Dockerfile: Debian's HAProxy 2.6 (the fleet profile)
     triton-resnet18:prometheus-2  deploy/docker/prometheus.Dockerfile: Debian's Prometheus 2.42 (monitoring)
 
-Steps (ImageBuild.run), each skipped when its output is up to date:
+Steps (ImageBuild.run), each skipped when its output is up to date; steps that need nothing of each other
+run at the same time (the base beside the wheels, the HAProxy and Prometheus builds beside the Triton one):
   1. the base: BASE_IMAGE (default debian:bookworm-slim) when the engine has it or can pull it; otherwise,
-     as where no registry answers (air-gapped sites), `debootstrap --variant=minbase bookworm` from the
-     Debian mirror apt uses, imported as triton-resnet18:base-bookworm (about 40 s once, 230 MB);
+     as where no registry answers (air-gapped sites), `mmdebstrap --variant=minbase bookworm` from the
+     Debian mirror apt uses, imported as triton-resnet18:base-bookworm (once, 230 MB; mmdebstrap downloads
+     with apt, about half of debootstrap's time);
   2. the wheels, with the host's pip (its index, proxy and certificates: pip inside a container has none of
      them): build/wheelhouse/ every wheel of the `server` extra pinned by constraints.txt, torch swapped for
      its CPU build (IMAGE_TORCH); build/kit-wheel/ the kit's own wheel;
@@ -26,6 +28,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +36,7 @@ from resnet18_kit.containers.engine import Engine, EngineError, last_line
 
 #: The base a user with a registry gets (Docker Hub's Debian 12).
 DEFAULT_BASE_IMAGE = "debian:bookworm-slim"
-#: The base made locally with debootstrap when DEFAULT_BASE_IMAGE cannot be had.
+#: The base made locally with mmdebstrap when DEFAULT_BASE_IMAGE cannot be had.
 LOCAL_BASE_IMAGE = "triton-resnet18:base-bookworm"
 #: What the local base holds beyond minbase: the Python the venv and the stubs use, tini.
 LOCAL_BASE_PACKAGES = ("python3", "python3-venv", "libpython3.11", "tini", "ca-certificates")
@@ -51,7 +54,8 @@ IMAGES = {
 
 @dataclass
 class BuildReport:
-    """What ImageBuild.run did: the base used, seconds per step, each image's size in bytes."""
+    """What ImageBuild.run did: the base used, seconds per step (steps run side by side overlap; `total`
+    is the wall time of the whole run), each image's size in bytes."""
     base: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     sizes_bytes: dict[str, int] = field(default_factory=dict)
@@ -66,7 +70,7 @@ class BuildReport:
 
 class ImageBuild:
     """Builds the images of `names` (keys of IMAGES) from the checkout `root` on `engine`. `base_image`:
-    the Debian 12 image to start from (DEFAULT_BASE_IMAGE; the local debootstrap base when it cannot be
+    the Debian 12 image to start from (DEFAULT_BASE_IMAGE; the local mmdebstrap base when it cannot be
     had). Raises EngineError with one line naming the failed step."""
 
     def __init__(self, engine: Engine, root: Path, base_image: str = DEFAULT_BASE_IMAGE,
@@ -76,20 +80,29 @@ class ImageBuild:
         self.report = BuildReport()
 
     def run(self) -> BuildReport:
-        """Every step (module doc); the report of what it took."""
-        self.report.base = self._timed("base", self.base)
-        if "triton" in self.names:
-            self._timed("wheels", self.wheels)
+        """Every step (module doc); the report of what it took. The wheels are made while the base is, and
+        the images that need no wheels are built while the Triton image is."""
+        start = time.monotonic()
+        with ThreadPoolExecutor(max_workers=len(self.names) + 1) as pool:
+            wheels = pool.submit(self._timed, "wheels", self.wheels) if "triton" in self.names else None
+            self.report.base = self._timed("base", self.base)
+            builds = [pool.submit(self._timed, f"build {IMAGES[name][0]}", self.build, *IMAGES[name])
+                      for name in self.names if name != "triton"]
+            if wheels is not None:
+                wheels.result()
+                self._timed(f"build {IMAGES['triton'][0]}", self.build, *IMAGES["triton"])
+            for build in builds:
+                build.result()
+        self.report.seconds["total"] = time.monotonic() - start
         for name in self.names:
-            tag, dockerfile, network = IMAGES[name]
-            self._timed(f"build {tag}", lambda: self.build(tag, dockerfile, network))
+            tag = IMAGES[name][0]
             size = self.engine.docker("image", "inspect", "--format", "{{.Size}}", tag).stdout.strip()
             self.report.sizes_bytes[tag] = int(size)
         return self.report
 
-    def _timed(self, step: str, action):
+    def _timed(self, step: str, action, *args):
         start = time.monotonic()
-        result = action()
+        result = action(*args)
         self.report.seconds[step] = time.monotonic() - start
         return result
 
@@ -98,7 +111,7 @@ class ImageBuild:
         return self.engine.docker("image", "inspect", name, check=False).returncode == 0
 
     def base(self) -> str:
-        """The base image's name: base_image when present or pullable, else the local debootstrap base."""
+        """The base image's name: base_image when present or pullable, else the local mmdebstrap base."""
         if self.has_image(self.base_image):
             return self.base_image
         if self.base_image == DEFAULT_BASE_IMAGE and self.has_image(LOCAL_BASE_IMAGE):
@@ -109,28 +122,30 @@ class ImageBuild:
         if self.base_image != DEFAULT_BASE_IMAGE:
             raise EngineError(f"base image {self.base_image}: {last_line(pulled.stderr)}")
         self.log(f"docker image: {self.base_image} cannot be pulled ({last_line(pulled.stderr)}); "
-                 f"making {LOCAL_BASE_IMAGE} with debootstrap")
-        self.debootstrap_base()
+                 f"making {LOCAL_BASE_IMAGE} with mmdebstrap")
+        self.local_base()
         return LOCAL_BASE_IMAGE
 
-    def debootstrap_base(self) -> None:
-        """debootstrap a Debian 12 minbase with LOCAL_BASE_PACKAGES and import it as LOCAL_BASE_IMAGE."""
-        if shutil.which("debootstrap") is None:
-            raise EngineError("no base image: debootstrap is not installed (`scripts/setup.sh image` installs it as root)")
-        with tempfile.TemporaryDirectory(dir=self.build_dir, prefix="rootfs-") as rootfs:
-            result = subprocess.run(
-                ["debootstrap", "--variant=minbase", f"--include={','.join(LOCAL_BASE_PACKAGES)}", "bookworm",
-                 rootfs, debian_mirror()], capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                raise EngineError(f"debootstrap: {last_line(result.stdout + result.stderr)}")
-            shutil.rmtree(Path(rootfs) / "var/cache/apt/archives", ignore_errors=True)
-            tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
-            imported = subprocess.run(["docker", "import", "-", LOCAL_BASE_IMAGE], stdin=tar.stdout,
+    def local_base(self) -> None:
+        """mmdebstrap a Debian 12 minbase with LOCAL_BASE_PACKAGES (apt's cache left out) straight into
+        `docker import` as LOCAL_BASE_IMAGE. EngineError naming the step that failed."""
+        if shutil.which("mmdebstrap") is None:
+            raise EngineError("no base image: mmdebstrap is not installed (`scripts/setup.sh image` installs it as root)")
+        with tempfile.TemporaryFile() as messages:  # a file, not a pipe: mmdebstrap never blocks on it
+            rootfs = subprocess.Popen(
+                ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(LOCAL_BASE_PACKAGES)}",
+                 "bookworm", "-", debian_mirror()], stdout=subprocess.PIPE, stderr=messages)
+            imported = subprocess.run(["docker", "import", "-", LOCAL_BASE_IMAGE], stdin=rootfs.stdout,
                                       env=self.engine.environment(), capture_output=True, text=True, check=False)
-            tar.stdout.close()
-            tar.wait()
-            if imported.returncode != 0:
-                raise EngineError(f"docker import: {last_line(imported.stderr)}")
+            rootfs.stdout.close()
+            status = rootfs.wait()
+            messages.seek(0)
+            made_stderr = messages.read().decode(errors="replace")
+        if status != 0:
+            self.engine.docker("image", "rm", "-f", LOCAL_BASE_IMAGE, check=False)  # a cut-off tar imports too
+            raise EngineError(f"mmdebstrap: {last_line(made_stderr)}")
+        if imported.returncode != 0:
+            raise EngineError(f"docker import: {last_line(imported.stderr)}")
 
     def wheels(self) -> None:
         """build/wheelhouse (refilled when constraints.txt or pyproject.toml changed) and build/kit-wheel."""

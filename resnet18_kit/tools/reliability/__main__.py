@@ -108,11 +108,8 @@ def run_faults(repository: Path, args, out_dir: Path, rows: list, record: dict) 
         record["security"] = restricted_api.checks_with_a_new_key(out_dir)
         rows.append(restricted_api.table_row(record["security"]))
     if "wedge" in args.scenario:
-        for case in wedge.CASES:
-            config = config_on_free_ports(model_repository=repository)
-            result = wedge.wedge(config, out_dir / f"wedge-{case}", case)
-            record.setdefault("wedge", []).append(result)
-            rows.append(wedge.table_row(result))
+        record["wedge"] = wedge.wedge(config_on_free_ports(model_repository=repository), out_dir / "wedge")
+        rows += [wedge.table_row(result) for result in record["wedge"]]
 
 
 def run_lifecycle(repository: Path, args, out_dir: Path, record: dict) -> list[str]:

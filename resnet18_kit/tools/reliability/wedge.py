@@ -5,8 +5,9 @@ Two ways to wedge it on purpose (what a corrupt heap or stuck threads look like 
     every inference waits or fails;
   * "server": SIGSTOP tritonserver itself. Nothing answers, and the liveness check alone would wait
     `unresponsive_after_s` (30 s).
-`wedge` does one, then measures how long serve's supervisor takes to report the fault ("wedged: ...")
-and to have a new server ready, and whether /v2/health/ready still said 200 during the wedge.
+`wedge` does each in turn on one `serve`, and measures how long serve's supervisor takes to report the
+fault ("wedged: ...") and to have a new server ready, and whether /v2/health/ready still said 200 during
+the wedge.
 """
 from __future__ import annotations
 
@@ -36,35 +37,52 @@ def ready_status(http_url: str) -> str:
         return "no answer"
 
 
-def wedge(config: ServerConfig, work_dir: Path, case: str) -> dict:
-    """Start `serve` on `config`, wedge its server as `case` says (CASES), and measure: {"case",
+def wedge(config: ServerConfig, work_dir: Path, cases: tuple[str, ...] = CASES) -> list[dict]:
+    """Start one `serve` on `config`, then for each of `cases` (CASES) in turn: wedge its server that way,
+    measure, and let the supervisor's new server settle before the next. One record per case: {"case",
     "ready_during" (what /v2/health/ready answered 1 s into the wedge), "detected_s" (seconds from the
     SIGSTOP to serve's fault line), "fault" (that line), "serving_again_s" (seconds from the SIGSTOP to
-    the new server ready), "exit_status" (serve's, after SIGTERM), "leftovers"}."""
+    the new server ready), "exit_status" (serve's, after SIGTERM at the end), "leftovers"}; a case whose
+    fault is never reported ends the run (the later cases are not tried). ValueError for an unknown case."""
+    unknown = [case for case in cases if case not in CASES]
+    if unknown:
+        raise ValueError(f"unknown wedge case {unknown[0]!r}; one of {', '.join(CASES)}")
     run = ServeRun(config, work_dir, serve_command(config, work_dir / "tritonserver.log"))
-    record: dict = {"case": case}
+    records: list[dict] = []
     try:
         run.wait_ready()
-        time.sleep(2.0)  # a few probe rounds with progress
-        lines_before = len(run.stderr_lines())
-        targets = run.stub_pids() if case == "stubs" else [run.server_pid()]
-        stopped_at = time.monotonic()
-        for pid in targets:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(1.0)
-        record["ready_during"] = ready_status(config.http_url)
-        deadline = stopped_at + DETECT_BOUND_S
-        fault = None
-        while fault is None and time.monotonic() < deadline:
-            fault = next((line for line in run.stderr_lines()[lines_before:] if line.startswith("serve: fault: ")), None)
-            time.sleep(0.05)
-        record["detected_s"] = round(time.monotonic() - stopped_at, 2) if fault else None
-        record["fault"] = fault
-        if fault:
-            wait_for_restart(run, lines_before)
-            record["serving_again_s"] = round(time.monotonic() - stopped_at, 2)
+        for case in cases:
+            records.append(_wedge_once(run, config, case))
+            if records[-1]["serving_again_s"] is None:
+                break
     finally:
-        record.update(run.terminate())
+        stopped = run.terminate()
+        for record in records:
+            record.update(stopped)
+    return records
+
+
+def _wedge_once(run: ServeRun, config: ServerConfig, case: str) -> dict:
+    """Wedge the server `run` supervises as `case` says; the record of `wedge` without the stop's fields."""
+    record: dict = {"case": case, "serving_again_s": None}
+    time.sleep(2.0)  # a few probe rounds with progress
+    lines_before = len(run.stderr_lines())
+    targets = run.stub_pids() if case == "stubs" else [run.server_pid()]
+    stopped_at = time.monotonic()
+    for pid in targets:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(1.0)
+    record["ready_during"] = ready_status(config.http_url)
+    deadline = stopped_at + DETECT_BOUND_S
+    fault = None
+    while fault is None and time.monotonic() < deadline:
+        fault = next((line for line in run.stderr_lines()[lines_before:] if line.startswith("serve: fault: ")), None)
+        time.sleep(0.05)
+    record["detected_s"] = round(time.monotonic() - stopped_at, 2) if fault else None
+    record["fault"] = fault
+    if fault:
+        wait_for_restart(run, lines_before)
+        record["serving_again_s"] = round(time.monotonic() - stopped_at, 2)
     return record
 
 
