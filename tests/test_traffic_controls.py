@@ -62,8 +62,9 @@ def test_an_interactive_request_jumps_a_bulk_flood(uncached_server, tmp_path):
     trickle's at the default level in the same run, and the server's throughput kept: the flood's and the
     trickle's answers together (the priority trickle is served sooner, so in the same time it takes a
     larger share: 22 answers against 12 at the default level in one run, with the flood at 0.83 of alone)."""
-    # 4 s windows: at least 10 answers of the default-level trickle (9 in 3 s windows on AMD EPYC Zen 3)
-    record = traffic.priority_run(uncached_server, sample_photos(), tmp_path, window_s=4.0, interval_s=0.5)
+    # 5 s windows: at least 10 answers of the default-level trickle (9 in 3 s windows, 10 in 4 s, on AMD EPYC
+    # Zen 3, where it waits about 1.5 s for each)
+    record = traffic.priority_run(uncached_server, sample_photos(), tmp_path, window_s=5.0, interval_s=0.5)
     show(record)
     with_priority, without = record["with_priority"], record["without_priority"]
     assert with_priority["errors"] == without["errors"] == 0, record
