@@ -128,7 +128,9 @@ def test_supervisor_gives_up_on_a_crash_loop(echo_repository, tmp_path):
 def test_sigterm_lets_accepted_requests_finish_refuses_new_ones_and_exits_in_time(echo_repository, tmp_path):
     """SIGTERM to `resnet18-kit serve` while 10 requests are sent at once (the queue holds 8 + 4 executing,
     fewer while the batcher gathers the next batch, so a few may be refused): every accepted request is
-    answered; new HTTP connections are refused at once; the server exits 0 within --exit-timeout-s.
+    answered; new HTTP requests are refused at once (503 "Exceeds maximum queue size" while the queue still
+    holds the accepted ones, then 404 "no available versions" as the models unload, then connection
+    refused); the server exits 0 within --exit-timeout-s.
     gRPC keeps accepting new requests while HTTP connections drain, then answers NOT_FOUND ("no
     available versions") while models unload: documented in docs/reliability.md, not hidden."""
     exit_timeout_s = 10
@@ -145,7 +147,8 @@ def test_sigterm_lets_accepted_requests_finish_refuses_new_ones_and_exits_in_tim
     after = result["after_sigterm"]
     # (An HTTP request sent within moments of SIGTERM may still be accepted, and is then answered.)
     http_after = [row for row in after if row["protocol"] == "http" and row["sent_s"] >= 0.2]
-    assert http_after and all(row["kind"] == ERROR for row in http_after), http_after
+    assert http_after and all(row["kind"] in (REFUSED, ERROR) for row in http_after), http_after
+    assert http_after[-1]["kind"] == ERROR, http_after  # the models unloaded before the server went
     # Nothing sent after SIGTERM hangs or gets a wrong answer: answered (gRPC, during the drain) or refused.
     assert all(row["kind"] in (ANSWERED, REFUSED, ERROR) for row in after), after
 
