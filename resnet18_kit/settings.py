@@ -10,10 +10,12 @@ Each field comes from its flag, else its environment variable, else its default 
 | protocol           | --protocol           | RESNET18_KIT_PROTOCOL            | http |
 | url                | --url                | RESNET18_KIT_URL                 | 127.0.0.1:8000 for http, 127.0.0.1:8001 for grpc |
 | metrics_url        | --metrics-url        | RESNET18_KIT_METRICS_URL         | http://<host of url>:8002/metrics |
-| triton_version     | (none)               | TRITON_SERVER_VERSION            | 2.51.0, the PyPI wheel's release (contract.TRITON_VERSION) |
+| triton_version     | (none)               | TRITON_SERVER_VERSION            | None: the release the server reports |
 
 triton_version is the Triton release `serve` runs, which switches the upstream workarounds
-(resnet18_kit.upstream): NVIDIA's Triton images set TRITON_SERVER_VERSION to theirs.
+(resnet18_kit.upstream.seam): NVIDIA's Triton images set TRITON_SERVER_VERSION to theirs; when nobody
+sets it, `serve` asks the server given by --tritonserver, and takes the wheel's own (contract.TRITON_VERSION)
+for the wheel's.
 
 "The checkout" is the source tree this package sits in (an editable install); an installed package has
 none, and then the folders are relative to the working directory. Nothing here is read at import time.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from resnet18_kit.contract import (DEFAULT_PORTS, DEFAULT_URLS, DEFAULT_VARIANT, PROTOCOLS, REPO_ROOT, TRITON_VERSION,
+from resnet18_kit.contract import (DEFAULT_PORTS, DEFAULT_URLS, DEFAULT_VARIANT, PROTOCOLS, REPO_ROOT,
                                    host_port, parse_version)
 from resnet18_kit.repository import ModelRepository
 
@@ -80,7 +82,7 @@ class Settings:
     protocol: str = "http"
     url: str = DEFAULT_URLS["http"]
     metrics_url: str = metrics_url_for(DEFAULT_URLS["http"])
-    triton_version: str = TRITON_VERSION
+    triton_version: str | None = None
 
     @property
     def repository(self) -> ModelRepository:
@@ -123,9 +125,9 @@ class Settings:
         url = check_url(str(url), protocol, source) if url else DEFAULT_URLS[protocol]
         metrics_url, _ = pick("metrics_url")
         triton_version, source = pick("triton_version")
-        triton_version = str(triton_version or TRITON_VERSION).strip()
+        triton_version = str(triton_version).strip() if triton_version else None
         try:
-            parse_version(triton_version)
+            triton_version and parse_version(triton_version)
         except ValueError as exc:
             raise SettingsError(f"{source}: {exc}") from None
         return cls(model_repository=repository, results=results, log_level=log_level, protocol=protocol,

@@ -19,7 +19,7 @@ model it names (or --model).
 Model control goes over gRPC (--url: the server's gRPC address; through serve's gRPC guard too): Triton
 2.51's HTTP server would hold the HTTP requests of some connections until a load is done.
 
-What the server does (server.model_control): the new config's instances load and warm up beside the old
+What the server does (model_control): the new config's instances load and warm up beside the old
 ones, the ensemble is reloaded, and the old instances leave once their requests are answered; nothing
 fails. Before anything is sent, each config is checked against the ensembles that use the model (tensor
 names, dtypes and shapes, max_batch_size): Triton would accept such a config and unload the ensemble.
@@ -40,7 +40,7 @@ from pathlib import Path
 from resnet18_kit.contract import DEFAULT_URLS
 from resnet18_kit.settings import Settings, shipped_variants, shown
 from resnet18_kit.server.config import ADMIN_KEY_ENV
-from resnet18_kit.server.model_control import (DEFAULT_SWAP_TIMEOUT_S, ModelControl, SwapError, file_target, swap,
+from resnet18_kit.model_control import (DEFAULT_SWAP_TIMEOUT_S, ModelControl, SwapError, file_target, swap,
                                                variant_targets)
 
 

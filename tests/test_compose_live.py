@@ -31,7 +31,7 @@ from resnet18_kit.containers.compose import ComposePorts, ComposeProject
 from resnet18_kit.containers.engine import Engine
 from resnet18_kit.containers.image import IMAGE_TORCH, IMAGES
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, REPO_ROOT, TORCHSCRIPT_MODEL
-from resnet18_kit.server.model_control import ModelControl, swap, variant_targets
+from resnet18_kit.model_control import ModelControl, swap, variant_targets
 from resnet18_kit.server.embedded import answers_ready
 from resnet18_kit.tools.reliability.compose_checks import BACK_WITHIN_S, GRACE_S, counts, crash, wait_for
 from resnet18_kit.tools.reliability.fleet_load import FleetLoad, Tally
@@ -69,7 +69,7 @@ def test_the_cpu_default_reserves_no_gpu_and_builds_every_image_it_runs_but_graf
     assert services["haproxy"]["image"] == IMAGES["haproxy"][0]
     assert services["prometheus"]["image"] == IMAGES["prometheus"][0]
     assert services["check-artifacts"]["command"][0] == "--check"
-    assert "resnet18_kit.server.probe" in services["triton"]["healthcheck"]["test"]
+    assert "resnet18_kit.observe.probe" in services["triton"]["healthcheck"]["test"]
     published = {(p["host_ip"], int(p["published"]), p["target"]) for p in services["triton"]["ports"]}
     assert published == {("127.0.0.1", 18000, 8000), ("127.0.0.1", 18001, 8001), ("127.0.0.1", 18002, 8002)}
     cpu = (REPO_ROOT / IMAGES["triton"][1]).read_text()

@@ -79,7 +79,7 @@ def test_short_grpc_deadlines_under_overload_crash_nothing_through_the_guard(gua
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "Triton 2.51 crashes on gRPC requests cancelled under load (server issue 7368, fixed in 24.12 = 2.53.0): "
+    "Triton 2.51 crashes on gRPC requests cancelled under load (upstream defect grpc-cancellation, server issue 7368): "
     "when this passes, the embedded server no longer has the defect"))
 def test_short_grpc_deadlines_under_overload_crash_nothing_straight_to_tritonserver(ensemble_repository, tmp_path,
                                                                                     photos):
@@ -318,7 +318,7 @@ def test_a_wedged_server_is_restarted_within_seconds(ensemble_repository, tmp_pa
 
 # -- the probe script of the containers ------------------------------------------------------------------------
 
-PROBE_SCRIPT = Path(__file__).resolve().parents[1] / "resnet18_kit" / "server" / "probe.py"
+PROBE_SCRIPT = Path(__file__).resolve().parents[1] / "resnet18_kit" / "observe" / "probe.py"
 
 
 def run_probe(*args: str):

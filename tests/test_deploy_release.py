@@ -27,7 +27,7 @@ from resnet18_kit.contract import (ALL_MODELS, ENSEMBLE_MODEL, IMAGE_INPUT, LOGI
                                    PROBABILITIES_OUTPUT, REPO_ROOT, TRITON_VERSION)
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.observe.model_config import config_parameters, variant_config
-from resnet18_kit.server.embedded import library_path, server_environment, tritonserver_binary
+from resnet18_kit.server.tritonserver import library_path, server_environment, tritonserver_binary
 
 pytestmark = pytest.mark.deploy
 

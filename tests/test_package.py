@@ -115,7 +115,7 @@ def test_one_command_is_installed_and_every_command_module_has_add_arguments_and
 
 #: Files that also run alone where the package is not installed (inside the Triton image): their
 #: __main__ block is their only route there.
-STANDALONE_SCRIPTS = {REPO_ROOT / "resnet18_kit" / "server" / "probe.py"}
+STANDALONE_SCRIPTS = {REPO_ROOT / "resnet18_kit" / "observe" / "probe.py"}
 
 
 def test_no_old_route_is_left():

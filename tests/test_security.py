@@ -17,7 +17,8 @@ from resnet18_kit.contract import REPO_ROOT
 from resnet18_kit.server.__main__ import InsecureBindError, add_server_arguments, config_from_args
 from resnet18_kit.server.config import ServerConfig, config_on_free_ports
 from resnet18_kit.server.config import ADMIN_KEY_ENV, RESTRICTED_APIS
-from resnet18_kit.server.embedded import EmbeddedTritonServer, server_command
+from resnet18_kit.server.embedded import EmbeddedTritonServer
+from resnet18_kit.server.tritonserver import server_command
 
 
 def parse(*argv: str):

@@ -1,4 +1,4 @@
-"""What `resnet18-kit swap` refuses before anything is sent (server.model_control), without a server: the
+"""What `resnet18-kit swap` refuses before anything is sent (model_control), without a server: the
 configs an ensemble could not use (Triton 2.51 would load them and unload the ensemble), unknown variants and
 unreadable files; and what each variant gives every model."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from tritonclient.grpc import model_config_pb2
 
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.observe.model_config import read_config
-from resnet18_kit.server.model_control import SwapError, SwapTarget, check_fit, describe, file_target, variant_targets
+from resnet18_kit.model_control import SwapError, SwapTarget, check_fit, describe, file_target, variant_targets
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from resnet18_kit.tools.reliability import swap_scenarios
 from resnet18_kit.tools.reliability.fleet_load import FleetLoad
 from resnet18_kit.tools.reliability.loads import ensemble_load, reference_answers
 from resnet18_kit.server.config import config_on_free_ports, free_ports
-from resnet18_kit.server.model_control import ModelControl, swap, variant_targets
+from resnet18_kit.model_control import ModelControl, swap, variant_targets
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 
 pytestmark = pytest.mark.live

@@ -275,7 +275,7 @@ def test_a_mark_cancels_only_the_request_the_guard_tagged(repository, tmp_path):
 
 
 def test_straight_to_tritonserver_a_cancelled_request_is_not_run_by_the_network(uncached_server):
-    """Without the guard (safe under load from Triton 2.53 only): the ensemble drops a cancelled request
+    """Without the guard (safe under load only where the release has the fix of grpc-cancellation): the ensemble drops a cancelled request
     between its steps, so the network runs fewer requests than were sent."""
     record = traffic.cancel_run(uncached_server, sample_photos(), uncached_server.triton_grpc_url,
                                 requests=32, cancel=12)

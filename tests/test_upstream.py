@@ -11,7 +11,7 @@ import pytest
 from resnet18_kit.contract import REPO_ROOT, TRITON_VERSION
 from resnet18_kit.server.__main__ import add_server_arguments, config_from_args
 from resnet18_kit.server.config import config_on_free_ports
-from resnet18_kit.server.embedded import server_command
+from resnet18_kit.server.tritonserver import server_command
 from resnet18_kit.server.resources import busy_port
 from resnet18_kit.settings import TRITON_VERSION_ENV, Settings, SettingsError
 from resnet18_kit.tools.reliability import ECHO_MODEL, repository_with
@@ -85,7 +85,7 @@ def test_the_banner_names_the_workarounds_and_a_guard_turned_off():
 
 
 def test_the_release_is_the_images_variable_else_the_wheels():
-    assert Settings.build(environ={}).triton_version == TRITON_VERSION
+    assert Settings.build(environ={}).triton_version is None  # serve takes the wheel's, or asks --tritonserver
     assert Settings.build(environ={TRITON_VERSION_ENV: "2.72.0"}).triton_version == "2.72.0"
     with pytest.raises(SettingsError, match=rf"\${TRITON_VERSION_ENV}: not a Triton version: 'latest'"):
         Settings.build(environ={TRITON_VERSION_ENV: "latest"})

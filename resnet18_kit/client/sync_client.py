@@ -33,11 +33,10 @@ level; a level the model does not serve is a ValueError (Triton would quietly se
 
 Cancellation: pass `cancel=` an event (threading.Event here, asyncio.Event for the asyncio client); setting
 it cancels the request and the call raises RequestCancelledError. Over gRPC the RPC is cancelled: the kit's
-gRPC guard answers the caller at once and never cancels upstream (a cancelled gRPC request crashes Triton
-2.51 under load; fixed in 2.53), but marks the request, and the kit's models skip it unless they have begun
-it (upstream.cancel_marks); straight to a tritonserver, the server drops the request from its queues. The
-asyncio client's HTTP cancel closes the request's connection, which Triton 2.51 ignores: it computes the
-request anyway. So the caller is always freed at once, the server where Triton sees the cancellation or
+gRPC guard, where the release needs it (upstream defect grpc-cancellation), answers the caller at once and
+never cancels upstream, but marks the request, and the kit's models skip it unless they have begun it;
+straight to a tritonserver, the server drops the request from its queues. The asyncio client's HTTP cancel
+closes the request's connection; Triton computes the request anyway. So the caller is always freed at once, the server where Triton sees the cancellation or
 the guard's mark. The blocking HTTP client cannot cancel (tritonclient.http has no way to abort a
 request): ValueError. docs/usage.md "Traffic controls".
 

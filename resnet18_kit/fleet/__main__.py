@@ -112,7 +112,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     from resnet18_kit.fleet.haproxy import replica_name
     from resnet18_kit.server.__main__ import InsecureBindError
     from resnet18_kit.server.config import ServerStartError
-    from resnet18_kit.server.embedded import tritonserver_binary
+    from resnet18_kit.server.tritonserver import tritonserver_binary
     from resnet18_kit.server.stop import SignalStop
 
     tritonserver_binary()  # without the 'serve' extra: the command names it

@@ -1,5 +1,5 @@
 """A rolling swap of a running fleet (`resnet18-kit swap --fleet`): each replica in turn is drained in
-HAProxy, given the new configs through its model-control API (server.model_control.swap) and put back in the
+HAProxy, given the new configs through its model-control API (model_control.swap) and put back in the
 pool once HAProxy's check has it UP, so a client that never retries sees no failure.
 
 It works from the fleet's files, so it runs in a process of its own beside `resnet18-kit fleet`: the
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from resnet18_kit.fleet.haproxy import BACKENDS, RuntimeAPI, runtime_socket_in
-from resnet18_kit.server.model_control import DEFAULT_SWAP_TIMEOUT_S, ModelControl, SwapError, SwapTarget, swap
+from resnet18_kit.model_control import DEFAULT_SWAP_TIMEOUT_S, ModelControl, SwapError, SwapTarget, swap
 
 #: Seconds a replica may take to finish the requests it holds once drained.
 DRAIN_TIMEOUT_S = 30.0
@@ -23,7 +23,7 @@ DRAIN_TIMEOUT_S = 30.0
 @dataclass
 class ReplicaSwap:
     """One replica's swap: its name and gRPC address, the seconds of each step (drain, swap, rejoin) and
-    the lines server.model_control.swap said for it."""
+    the lines model_control.swap said for it."""
 
     name: str
     url: str
@@ -33,7 +33,7 @@ class ReplicaSwap:
 
 def fleet_replicas(workdir: Path) -> list[tuple[str, str]]:
     """(replica name, gRPC host:port) of each replica in the servers file of the fleet in `workdir`
-    (fleet.haproxy.servers_file; model control goes over gRPC: server.model_control.ModelControl);
+    (fleet.haproxy.servers_file; model control goes over gRPC: model_control.ModelControl);
     SwapError when there is none."""
     path = Path(workdir) / "servers.cfg"
     try:

@@ -50,14 +50,15 @@ from resnet18_kit.progress import stderr_line
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.settings import TRITON_VERSION_ENV, Settings, shipped_variants, shown
 from resnet18_kit.server.config import (ADMIN_HEADER, ADMIN_KEY_ENV, DEFAULT_CACHE_BYTES, MAX_CACHE_BYTES,
-                                        RESTRICTED_APIS, ConfigurationError, ServerConfig, check_ports_free,
+                                        RESTRICTED_APIS, ConfigurationError, ServerConfig, ServerStartError,
+                                        check_ports_free,
                                         free_port_besides)
-from resnet18_kit.server.embedded import reported_version, tritonserver_binary
-from resnet18_kit.server.model_control import MODEL_CONTROL_MODES
+from resnet18_kit.server.tritonserver import release_of, reported_version, tritonserver_binary
+from resnet18_kit.model_control import MODEL_CONTROL_MODES
 from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
-from resnet18_kit.upstream import banner_line, needs
+from resnet18_kit.upstream.seam import banner, switches
 
 #: The file under the results folder where `serve` writes tritonserver's full log (restarts append to it).
 SERVER_LOG_NAME = "serve-tritonserver.log"
@@ -84,6 +85,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tritonserver's --log-verbose level (default 0; 1 and up: detail per request)")
     add_cache_argument(parser)
     add_model_control_argument(parser)
+    parser.add_argument("--tritonserver", type=Path, metavar="PATH",
+                        help="the tritonserver executable to run, installed as in NVIDIA's Triton images "
+                             "(PATH's folder's parent holds backends/ and caches/: /opt/tritonserver/bin/tritonserver "
+                             f"there); its release, read from its server metadata, switches the workarounds "
+                             f"(default: the nvidia-pytriton wheel's, Triton {TRITON_VERSION})")
     parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=None,
                         help="gRPC clients connect to the kit's guard, which never passes their deadlines or "
                              "cancellations on to tritonserver (Triton before 2.59.0 crashes on them under load; "
@@ -144,15 +150,19 @@ class InsecureBindError(ValueError):
 def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict[str, str] | None = None,
                      triton_version: str | None = None) -> ServerConfig:
     """The ServerConfig for the parsed arguments and the settings' model repository; the admin key comes
-    from $TRITON_ADMIN_KEY. The gRPC guard runs where --grpc-guard says, else where `triton_version` (the
-    release served; default settings.triton_version) lacks the fix of the defect it works around
-    (resnet18_kit.upstream).
+    from $TRITON_ADMIN_KEY. The workarounds (upstream.seam.switches) are those of `triton_version`, else
+    settings.triton_version ($TRITON_SERVER_VERSION), else the release --tritonserver reports
+    (tritonserver.release_of: ServerStartError when it does not), else the wheel's (contract.TRITON_VERSION);
+    --grpc-guard and --refuse-first override them.
 
     Warns on stderr when the server will be reachable from other machines; raises InsecureBindError
     when it would be reachable without the restricted APIs being locked.
     """
     environ = os.environ if environ is None else environ
-    triton_version = triton_version or settings.triton_version
+    tritonserver = getattr(args, "tritonserver", None)
+    triton_version = (triton_version or settings.triton_version
+                      or (release_of(tritonserver) if tritonserver else TRITON_VERSION))
+    on = switches(triton_version, getattr(args, "grpc_guard", None), getattr(args, "refuse_first", None))
     admin_key = environ.get(ADMIN_KEY_ENV) or None
     config = ServerConfig(model_repository=settings.model_repository, host=args.host,
                           http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
@@ -160,9 +170,9 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
                           log_verbose=args.log_verbose, admin_key=admin_key,
                           response_cache_bytes=args.response_cache_bytes,
                           model_control=getattr(args, "model_control", "none"),
-                          refuse_first=switched(args, "refuse_first", "keep-alive-stop", triton_version),
+                          refuse_first=on.refuse_first, tritonserver=tritonserver, release=triton_version,
                           triton_grpc_port=(free_port_besides(args.http_port, args.grpc_port, args.metrics_port)
-                                            if guarded(args, triton_version) else None))
+                                            if on.grpc_guard else None))
     if config.model_control != "none" and admin_key is None:
         raise InsecureBindError(
             f"serve: --model-control {config.model_control} needs an admin key, or anyone who can reach the server "
@@ -184,25 +194,13 @@ def config_from_args(settings: Settings, args: argparse.Namespace, environ: dict
     return config
 
 
-def switched(args: argparse.Namespace, option: str, defect: str, triton_version: str) -> bool:
-    """The on/off `option` (--X / --no-X) when given, else whether `triton_version` has upstream `defect`
-    (resnet18_kit.upstream.needs: its workaround belongs on)."""
-    given = getattr(args, option, None)
-    return needs(defect, triton_version) if given is None else given
-
-
-def guarded(args: argparse.Namespace, triton_version: str) -> bool:
-    """--grpc-guard / --no-grpc-guard when given, else whether `triton_version` needs the guard."""
-    return switched(args, "grpc_guard", "grpc-cancellation", triton_version)
-
-
-def version_lines(settings: Settings, config: ServerConfig) -> tuple[str, str | None]:
-    """What the ready banner says after "Triton" (upstream.banner_line for the release the workarounds
-    were switched by, settings.triton_version) and a warning line, or None, when the server reports
+def version_lines(config: ServerConfig) -> tuple[str, str | None]:
+    """What the ready banner says after "Triton" (upstream.seam.banner for the release the workarounds
+    were switched by, config.release) and a warning line, or None, when the server reports
     another release in its metadata (GET /v2): then the workarounds are those of the wrong release, and
     the warning names the variable to set."""
-    assumed, running = settings.triton_version, reported_version(config.http_url)
-    line = banner_line(assumed, config.triton_grpc_port is not None)
+    assumed, running = config.release or TRITON_VERSION, reported_version(config.http_url)
+    line = banner(assumed, config.triton_grpc_port is not None)
     if running is None:
         return line + " (the server did not report its version)", None
     try:
@@ -246,12 +244,17 @@ def checked_server_config(settings: Settings, args: argparse.Namespace, command:
     """The ServerConfig of parsed add_server_arguments options, checked before anything starts; None
     after printing one line naming the problem (a refused --host, an unknown --model-config-name, a
     port taken or impossible): the command then exits 2."""
-    tritonserver_binary()  # ModuleNotFoundError without the 'serve' extra: the command names the extra
+    binary = getattr(args, "tritonserver", None)
+    if binary is None:
+        tritonserver_binary()  # ModuleNotFoundError without the 'serve' extra: the command names the extra
+    elif not (binary.is_file() and os.access(binary, os.X_OK)):
+        print(f"{command}: --tritonserver {binary}: not an executable file", file=sys.stderr)
+        return None
     try:
         config = config_from_args(settings, args)
         check_variant(config)
         check_ports_free(config)
-    except (InsecureBindError, ConfigurationError) as exc:
+    except (InsecureBindError, ServerStartError) as exc:
         message = str(exc).removeprefix("serve: ")
         print(f"{command}: {message}", file=sys.stderr)
         return None
@@ -328,7 +331,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         stderr_line(f"serve: {event.kind}: {detail}")
         if event.kind == "ready" and not announced.is_set():
             announced.set()
-            triton, mismatch = version_lines(settings, config)
+            triton, mismatch = version_lines(config)
             if mismatch:
                 stderr_line(mismatch)
             print(f"\nserve: ready\n"

@@ -46,8 +46,15 @@ class ServerConfig:
     metrics_port: int = DEFAULT_PORTS["metrics"]
     #: Load <model>/configs/<name>.pbtxt instead of config.pbtxt where it exists (e.g. "gpu").
     model_config_name: str | None = None
+    #: The tritonserver executable to run, from a Triton installation laid out as NVIDIA's images lay it out
+    #: (<root>/bin/tritonserver beside <root>/backends and <root>/caches, e.g. /opt/tritonserver); None: the
+    #: one in the nvidia-pytriton wheel, with the backend folder put together below.
+    tritonserver: Path | None = None
+    #: The Triton release this server runs ("2.51.0"), which switched its workarounds (upstream.seam);
+    #: None when nobody said (a config made by hand).
+    release: str | None = None
     #: Where the Python backend's folder (--backend-directory) is put together from the nvidia-pytriton
-    #: found on sys.path (server.embedded.backend_directory); None: <sys.prefix>/triton-backends.
+    #: found on sys.path (server.tritonserver.backend_directory); None: <sys.prefix>/triton-backends.
     backend_root: Path | None = None
     #: The python3 whose installation (its venv, its site-packages) the stubs' embedded interpreter uses:
     #: it finds its prefix from the first python3 on PATH and ignores PYTHONPATH. None: this Python.
@@ -67,7 +74,7 @@ class ServerConfig:
     #: config says `response_cache { enable: true }` use it (the `resnet18` ensemble); DEFAULT_CACHE_BYTES.
     response_cache_bytes: int = 0
     #: tritonserver's --model-control-mode: "none" (models load at start, nothing loads or unloads them) or
-    #: "explicit" (they load at start and the model-control API swaps their configs: server.model_control;
+    #: "explicit" (they load at start and the model-control API swaps their configs: model_control;
     #: `serve` allows it only with an admin key, which that API then needs).
     model_control: str = "none"
     #: When set, RESTRICTED_APIS need the header `admin-key: <admin_key>` (HTTP 403 without it, gRPC

@@ -11,12 +11,12 @@ So the supervisor restarts the whole server, which needs no model-control call f
 Checks, every `poll_interval_s`:
   * the tritonserver process exited;
   * a stub process is gone (one per model instance: `EmbeddedTritonServer.stub_pids`), unless a swap
-    replaced it (`_dead_stub`: with `--model-control explicit`, server.model_control loads a new config's
+    replaced it (`_dead_stub`: with `--model-control explicit`, model_control loads a new config's
     stubs beside the old ones, which then leave);
   * `/v2/health/live` has not answered for `unresponsive_after_s`;
   * wedged: no inference answered or executed for `wedged_after_s`, while the health endpoints may still
     answer 200 (a corrupt heap or stuck threads: upstream defect `grpc-cancellation`). A thread probes
-    every `probe_interval_s` (server.probe: the execution count, and an inference to each step of the ensemble
+    every `probe_interval_s` (observe.probe: the execution count, and an inference to each step of the ensemble
     when the count did not grow). A stop of a server found wedged does not wait for its exit timeout.
 A restart stops the server (SIGTERM, `restart_drain_s` for the requests other models are serving, then
 SIGKILL) and starts it again on the same ports; with model control it then loads back the configs a swap
@@ -42,9 +42,9 @@ from typing import Callable
 from resnet18_kit.observe.processes import process_alive
 from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError, StartCancelled
 from resnet18_kit.server.embedded import EmbeddedTritonServer
-from resnet18_kit.server.model_control import ModelControl, SwapError, SwapTarget, same_config, swap
-from resnet18_kit.upstream.overload import QueueWatch
-from resnet18_kit.server.probe import ProgressWatch, live
+from resnet18_kit.model_control import ModelControl, SwapError, SwapTarget, same_config, swap
+from resnet18_kit.upstream.seam import QueueWatch
+from resnet18_kit.observe.probe import ProgressWatch, live
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.stop import StopRequest
 
@@ -66,7 +66,7 @@ class SupervisorPolicy:
     restart_window_s: float = 600.0
     ready_timeout_s: float = 300.0
     queue_warnings: bool = True
-    #: Wedge detection (server.probe), for repositories with the ensemble and its warmup image: a round
+    #: Wedge detection (observe.probe), for repositories with the ensemble and its warmup image: a round
     #: every probe_interval_s; the probe inference's queue timeout probe_timeout_s; a restart after
     #: wedged_after_s without progress (0: no wedge detection). 5 s: over twice the longest execution
     #: here (a batch of 16 on 2 cores, under 2 s), so a long batch is never taken for a wedge.
@@ -195,7 +195,7 @@ class Supervisor:
     def _dead_stub(self) -> str | None:
         """Why the server must restart when a stub is gone that no swap accounts for, else None.
 
-        A swap (server.model_control) starts the new config's stubs beside the old ones and the old ones
+        A swap (model_control) starts the new config's stubs beside the old ones and the old ones
         exit once it serves (about 2 s apart, measured: the load, the warm-up and the ensemble's reload lie
         between). So a stub that is gone is a swap's when another stub of the same instance name
         was already running at an earlier check, or when the config now serving has no such instance;
@@ -238,7 +238,7 @@ class Supervisor:
 
     def _put_back_swapped(self) -> str:
         """After a restart with model control: load the configs a swap had changed before the fault
-        (server.model_control.swap); what the ready event adds about it."""
+        (model_control.swap); what the ready event adds about it."""
         if self.config.model_control != "explicit" or not self._serving:
             return ""
         try:

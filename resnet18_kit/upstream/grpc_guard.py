@@ -3,7 +3,7 @@
 Why: Triton 2.51 (the embedded server, NGC 24.10) crashes when gRPC inference requests are cancelled
 while it holds them: a client deadline that expires, or a client that cancels, under a full queue ends in
 SIGSEGV, or in heap corruption that leaves the process answering health checks while its threads are
-stuck (server issue 7368, fixed by server PR 7840 in 24.12 = Triton 2.53.0; docs/reliability.md
+stuck (server issue 7368, fixed in full in 2.59.0: defects.py; docs/reliability.md
 "Deadlines and cancellation"). A proxy that passes cancellations on (HAProxy, nginx's grpc_pass) does not
 help: it resets the upstream stream when its client goes.
 

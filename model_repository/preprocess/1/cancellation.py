@@ -2,7 +2,7 @@
 
 Two signals, either one is enough:
   * Triton's own: `request.is_cancelled()` (one round trip to the server). Set by a gRPC cancellation
-    straight to tritonserver, which crashes Triton 2.51 under load (server issue 7368, fixed in 2.53).
+    straight to tritonserver, which crashes Triton 2.51 under load (upstream defect grpc-cancellation; docs/reliability.md).
   * the kit's gRPC guard's mark (`serve`, resnet18_kit/upstream/cancel_marks.py): the guard never passes a
     cancellation on. It gives every ModelInfer it forwards a request parameter `cancel_mark` (32 hex
     digits, replacing any the client sent) and, when the client cancels or its deadline passes while Triton

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from resnet18_kit.observe.machine import cpu_model
 from resnet18_kit.observe.statistics import PeriodicSampler
-from resnet18_kit.server.embedded import STUB_EXECUTABLE, library_path
+from resnet18_kit.contract import STUB_EXECUTABLE
+from resnet18_kit.server.tritonserver import library_path
 
 #: Libraries worth naming in the record when ldd resolves them: where each was found.
 NOTED_LIBRARIES = ("libpython", "libb64", "libcudart")
@@ -31,7 +32,7 @@ def this_python() -> str:
 
 def ldd(binary: Path) -> dict[str, str | None]:
     """The shared libraries `binary` needs, as ldd resolves them with the kit's LD_LIBRARY_PATH
-    (server.embedded.library_path): soname -> path, None when not found. {"ldd": None} without ldd."""
+    (server.tritonserver.library_path): soname -> path, None when not found. {"ldd": None} without ldd."""
     if not shutil.which("ldd"):
         return {"ldd": None}
     result = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, timeout=30,

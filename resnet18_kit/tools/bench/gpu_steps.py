@@ -28,7 +28,9 @@ from resnet18_kit.contract import ENSEMBLE_MODEL, LOGITS_BYTES, PREPROCESS_MODEL
 from resnet18_kit.observe.statistics import model_statistics, statistics_delta
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.config import config_on_free_ports
-from resnet18_kit.server.embedded import STUB_EXECUTABLE, EmbeddedTritonServer, tritonserver_binary
+from resnet18_kit.contract import STUB_EXECUTABLE
+from resnet18_kit.server.embedded import EmbeddedTritonServer
+from resnet18_kit.server.tritonserver import tritonserver_binary
 from resnet18_kit.server.resources import python_backend_regions
 from resnet18_kit.tools.bench import gpu_env
 from resnet18_kit.tools.bench.gpu_bar import measure_bar

@@ -163,7 +163,7 @@ def write_config(repository: Path, out: Path, models: list[str], quick: bool, ph
 
     from resnet18_kit.tools.load.perf_analyzer import perf_analyzer_binary
     from resnet18_kit.server.config import free_ports
-    from resnet18_kit.server.embedded import (backend_directory, library_path, server_environment,
+    from resnet18_kit.server.tritonserver import (backend_directory, library_path, server_environment,
                                               tritonserver_binary)
 
     http, grpc, metrics = free_ports(3)

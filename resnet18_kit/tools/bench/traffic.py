@@ -20,7 +20,7 @@ response cache, and request cancellation, each against a server this command sta
   cancelled. Once through the kit's gRPC guard (the caller is freed; the guard never cancels upstream,
   since Triton 2.51 crashes on gRPC cancellations under load, but marks the request, and the kit's models
   skip a marked request they have not begun: upstream.cancel_marks) and once straight to tritonserver's own
-  gRPC port (the ensemble drops a cancelled request between its steps; safe from Triton 2.53 only).
+  gRPC port (the ensemble drops a cancelled request between its steps; safe only where the release has the fix of grpc-cancellation).
 
 Writes <results>/traffic-<UTC time>/traffic.json (--out to choose the folder) and prints one line per figure.
 Exit status 0; 2 for a bad command line or missing model files.

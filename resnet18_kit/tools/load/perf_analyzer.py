@@ -9,7 +9,7 @@ The binary is the one shipped in the `tritonclient[all]==2.51.0` wheel (it lands
 needs libb64 (Debian `libb64-0d`, installed by scripts/setup.sh) and libcudart.so.12 (PyPI
 `nvidia-cuda-runtime-cu12`). Run by hand, `.venv/bin/perf_analyzer` exits 127 ("libcudart.so.12: cannot
 open shared object file"): this command sets LD_LIBRARY_PATH to the wheels' libraries first
-(server.embedded.library_path()). A missing binary is one line and exit 2.
+(server.tritonserver.library_path()). A missing binary is one line and exit 2.
 
 Real photos for the `resnet18` ensemble (its input `image` is BYTES, one encoded file per request;
 perf_analyzer's random data would not decode). Write the --input-data file, then use it:
@@ -46,7 +46,7 @@ import numpy as np
 
 from resnet18_kit.contract import LOGITS_BYTES
 
-from resnet18_kit.server.embedded import library_path
+from resnet18_kit.server.tritonserver import library_path
 
 
 def perf_analyzer_binary() -> Path:

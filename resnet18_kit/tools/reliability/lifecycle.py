@@ -43,7 +43,7 @@ from resnet18_kit.tools.reliability.loads import HANG_BOUND_S, TensorLoad, echo_
 from resnet18_kit.tools.reliability.senders import send_fresh
 from resnet18_kit.tools.reliability.sigterm import environment_without_admin_key, serve_arguments, serve_command
 from resnet18_kit.server.config import ServerConfig, config_on_free_ports
-from resnet18_kit.server.embedded import STUB_EXECUTABLE
+from resnet18_kit.contract import STUB_EXECUTABLE
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, python_backend_regions
 
 CASES = ("sigterm", "sigterm-x3", "sigint", "sigint-x2", "sigterm-starting", "http-busy", "grpc-busy",

@@ -30,7 +30,7 @@ from resnet18_kit.tools.reliability.fleet_scenarios import fleet_config
 from resnet18_kit.tools.reliability.loads import TensorLoad, ensemble_load, reference_answers
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.config import ServerConfig, config_on_free_ports, free_ports
-from resnet18_kit.server.model_control import ModelControl, swap, variant_targets
+from resnet18_kit.model_control import ModelControl, swap, variant_targets
 from resnet18_kit.server.supervisor import Supervisor, SupervisorPolicy
 
 #: The swaps each run makes, in order.

@@ -225,7 +225,7 @@ class ModelControl:
 def refusal(what: str, url: str, status: str | None, message: str) -> str:
     """One line for a refused model-control call: a missing or wrong admin key (403; also what a kit
     server started with model control "none" answers, its model-control API being locked by a key of its
-    own: server.embedded.server_command), a server without model control, or Triton's own first line."""
+    own: server.tritonserver.server_command), a server without model control, or Triton's own first line."""
     first = message.strip().splitlines()[0] if message.strip() else "no reason given"
     if "restricted" in message or str(status) in ("403", "StatusCode.PERMISSION_DENIED"):
         return (f"{url} refused to {what}: the admin key is missing or wrong (set $TRITON_ADMIN_KEY to the key "
