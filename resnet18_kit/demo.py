@@ -18,7 +18,7 @@ from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.server.__main__ import add_server_arguments, prepared_server_config
 from resnet18_kit.settings import Settings, shown
 from resnet18_kit.server.embedded import EmbeddedTritonServer
-from resnet18_kit.server.server_log import cpu_only_explanation, is_cuda_notice
+from resnet18_kit.observe.server_log import cpu_only_explanation, is_cuda_notice
 
 
 #: The ensemble's counter of answers the response cache gave (Triton's per-model cache metric).

@@ -2,7 +2,7 @@
 extension: gRPC RepositoryModelLoad, over HTTP `POST /v2/repository/models/<model>/load`, with the new
 config as a JSON override; ModelControl says why gRPC), behind the admin key.
 
-What Triton 2.51 does with such a load (measured here, docs/model-repository.md "Swapping configs"): it
+What Triton does with such a load (docs/model-repository.md "Swapping configs"; tests/test_swap_live.py): it
 starts the new config's instances (new stub processes) beside the old ones, swaps them in once loaded and
 warmed up, reloads the ensembles that use the model, and unloads the old instances when their requests are
 done; requests keep being answered throughout. A config identical to the one serving is a no-op. A config

@@ -41,7 +41,7 @@ def test_unknown_model_is_an_error_not_a_crash(client):
     assert client.is_server_ready()
 
 
-# -- tritonserver's log on a console (resnet18_kit/server/server_log.py), no server needed ----------------------------
+# -- tritonserver's log on a console (resnet18_kit/observe/server_log.py), no server needed ----------------------------
 
 #: Lines tritonserver 2.51 logs at start on a machine without a GPU (from a real log), with other lines.
 CPU_ONLY_START = [
@@ -63,7 +63,7 @@ CPU_ONLY_START = [
 
 
 def test_cuda_notices_of_a_cpu_only_machine_are_explained_once_and_other_lines_pass():
-    from resnet18_kit.server.server_log import CudaNoticeFilter, cpu_only_explanation
+    from resnet18_kit.observe.server_log import CudaNoticeFilter, cpu_only_explanation
 
     line_filter = CudaNoticeFilter("results/serve-tritonserver.log", prefix="serve: ")
     shown = line_filter.lines(CPU_ONLY_START * 2)  # a restart logs them again: still one explanation
@@ -79,7 +79,7 @@ def test_cuda_notices_of_a_cpu_only_machine_are_explained_once_and_other_lines_p
 
 
 def test_a_model_that_failed_to_load_is_shown_even_when_it_names_cuda():
-    from resnet18_kit.server.server_log import CudaNoticeFilter
+    from resnet18_kit.observe.server_log import CudaNoticeFilter
 
     failed = ('E1123 07:12:00.000000 1 model_lifecycle.cc:641] "failed to load \'resnet18_onnx\' version 1: '
               'Internal: CUDA driver version is insufficient for CUDA runtime version"')
@@ -87,7 +87,7 @@ def test_a_model_that_failed_to_load_is_shown_even_when_it_names_cuda():
 
 
 def test_log_follower_shows_the_lines_added_after_it_started(tmp_path):
-    from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
+    from resnet18_kit.observe.server_log import CudaNoticeFilter, LogFollower
 
     log = tmp_path / "tritonserver.log"
     log.write_text("an earlier run's line\n")
@@ -101,7 +101,7 @@ def test_log_follower_shows_the_lines_added_after_it_started(tmp_path):
 
 
 def test_start_failure_log_tail_explains_the_cuda_notices_instead_of_quoting_them(tmp_path):
-    from resnet18_kit.server.server_log import log_tail
+    from resnet18_kit.observe.server_log import log_tail
 
     log = tmp_path / "tritonserver.log"
     log.write_text("\n".join(CPU_ONLY_START) + "\n")

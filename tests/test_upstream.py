@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,13 +13,15 @@ import pytest
 from resnet18_kit.contract import REPO_ROOT, TRITON_VERSION
 from resnet18_kit.server.__main__ import add_server_arguments, config_from_args
 from resnet18_kit.server.config import config_on_free_ports
-from resnet18_kit.server.tritonserver import server_command
+from resnet18_kit.server.tritonserver import (backend_directory, library_path, release_of, server_command,
+                                              tritonserver_binary)
 from resnet18_kit.server.resources import busy_port
 from resnet18_kit.settings import TRITON_VERSION_ENV, Settings, SettingsError
 from resnet18_kit.tools.reliability import ECHO_MODEL, repository_with
 from resnet18_kit.tools.reliability.lifecycle import ServeRun
 from resnet18_kit.tools.reliability.loads import echo_load
 from resnet18_kit.tools.reliability.senders import send_fresh
+from resnet18_kit.tools.reliability.sigterm import environment_without_admin_key, serve_command
 from resnet18_kit.upstream import DEFECTS, banner_line, needs, parse_version, workarounds
 from resnet18_kit.upstream.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
 
@@ -125,3 +129,56 @@ def test_the_wing_is_on_for_the_real_251_and_off_for_a_reported_later_release(tm
         assert "tritonserver's own: no guard" in banner and "grpc-cancellation" not in banner
         assert any(f"reports release {TRITON_VERSION}, but the workarounds are those of 2.72.0" in line
                    for line in lines), lines
+
+
+def _installed_triton(root: Path) -> Path:
+    """The wheel's tritonserver laid out as NVIDIA's images lay it out: <root>/bin/tritonserver (a script
+    that execs the wheel's binary with its libraries, so the pid stays tritonserver's), <root>/backends
+    (the Python backend with this interpreter's stub), <root>/caches."""
+    (root / "bin").mkdir(parents=True)
+    binary = root / "bin" / "tritonserver"
+    binary.write_text(f"#!/bin/sh\nLD_LIBRARY_PATH={library_path()} exec {tritonserver_binary()} \"$@\"\n")
+    binary.chmod(0o755)
+    (root / "backends").symlink_to(backend_directory())
+    (root / "caches").symlink_to(tritonserver_binary().parent.parent / "caches")
+    return binary
+
+
+@pytest.mark.live
+def test_serve_runs_an_installed_tritonserver_and_switches_the_wing_by_the_release_it_reports(tmp_path):
+    """`serve --tritonserver PATH`: PATH's release is read from its server metadata (2.51.0 here, no
+    $TRITON_SERVER_VERSION), so the wing is on: the guard holds the client-facing gRPC port, the banner
+    names the workarounds; the server answers and serve exits 0 leaving nothing."""
+    binary = _installed_triton(tmp_path / "opt" / "tritonserver")
+    assert release_of(binary) == TRITON_VERSION
+    config = config_on_free_ports(model_repository=repository_with([ECHO_MODEL], tmp_path / "repository"))
+    run = ServeRun(config, tmp_path / "serve",
+                   serve_command(config, tmp_path / "serve" / "tritonserver.log", ("--tritonserver", str(binary))))
+    try:
+        run.wait_ready()
+        holder, answer = _grpc_holder(config), send_fresh(config, "grpc", echo_load(), 3)
+        server_argv = Path(f"/proc/{run.server_pid()}/cmdline").read_bytes().split(b"\0")
+    finally:
+        status = run.terminate()
+    banner = run.log_path.read_text(errors="replace")
+    assert answer.kind == "answered", answer
+    assert status == {"exit_status": 0, "leftovers": []}
+    assert f"--backend-directory={binary.parent.parent / 'backends'}".encode() in server_argv, server_argv
+    assert "(tritonserver)" not in holder and "the kit's gRPC guard" in banner
+    assert f"{TRITON_VERSION}: workarounds on for grpc-cancellation" in banner, banner
+
+
+@pytest.mark.parametrize("script, message", [
+    (None, "--tritonserver {path}: not an executable file"),
+    ("#!/bin/sh\necho 'error: no such option' >&2\nexit 1\n", "did not report its release: error: no such option"),
+])
+def test_a_tritonserver_that_is_missing_or_reports_no_release_is_one_line_and_exit_2(tmp_path, script, message):
+    path = tmp_path / "bin" / "tritonserver"
+    if script:
+        path.parent.mkdir()
+        path.write_text(script)
+        path.chmod(0o755)
+    result = subprocess.run([sys.executable, "-m", "resnet18_kit", "serve", "--check", "--tritonserver", str(path)],
+                            capture_output=True, text=True, timeout=60, env=environment_without_admin_key())
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert message.format(path=path) in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -55,7 +55,7 @@ from resnet18_kit.server.config import (ADMIN_HEADER, ADMIN_KEY_ENV, DEFAULT_CAC
                                         free_port_besides)
 from resnet18_kit.server.tritonserver import release_of, reported_version, tritonserver_binary
 from resnet18_kit.model_control import MODEL_CONTROL_MODES
-from resnet18_kit.server.server_log import CudaNoticeFilter, LogFollower
+from resnet18_kit.observe.server_log import CudaNoticeFilter, LogFollower
 from resnet18_kit.server.stop import SignalStop
 from resnet18_kit.server.supervisor import Supervisor, SupervisorEvent, SupervisorPolicy
 from resnet18_kit.upstream.seam import banner, switches

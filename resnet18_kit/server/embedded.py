@@ -28,7 +28,7 @@ from resnet18_kit.observe.processes import child_processes, port_listeners, rss_
 from resnet18_kit.server.config import (ConfigurationError, ServerConfig, ServerStartError, StartCancelled,
                                         check_ports_free)
 from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, remove_regions
-from resnet18_kit.server.server_log import first_error_line, log_tail
+from resnet18_kit.observe.server_log import first_error_line, log_tail
 from resnet18_kit.server.tritonserver import server_command, server_environment
 from resnet18_kit.upstream.seam import ServerHelpers
 

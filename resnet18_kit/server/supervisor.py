@@ -1,18 +1,12 @@
 """Keep an embedded tritonserver serving without a human: restart it when it dies, when a Python-backend
 stub dies, or when it stops answering.
 
-Triton does not restart a Python-backend stub that died: its model fails every request with HTTP 500 /
-gRPC INTERNAL "Stub process '<instance>' is not healthy." (and on releases before the fix of upstream
-defect `dead-stub`, resnet18_kit.upstream.defects, it even stays READY). Reloading the model through the
-model-control API (measured on 2.51) leaves the dead instance unloadable, blocking shutdown until the exit timeout.
-So the supervisor restarts the whole server, which needs no model-control call from a client (`serve
---model-control none`, the default, keeps that API closed to them).
+Triton does not restart a Python-backend stub that died (upstream defect `dead-stub`, upstream.dead_stub),
+so the supervisor restarts the whole server, which needs no model-control call from a client.
 
 Checks, every `poll_interval_s`:
   * the tritonserver process exited;
-  * a stub process is gone (one per model instance: `EmbeddedTritonServer.stub_pids`), unless a swap
-    replaced it (`_dead_stub`: with `--model-control explicit`, model_control loads a new config's
-    stubs beside the old ones, which then leave);
+  * a stub process is gone (one per model instance), unless a swap replaced it (StubWatch.dead);
   * `/v2/health/live` has not answered for `unresponsive_after_s`;
   * wedged: no inference answered or executed for `wedged_after_s`, while the health endpoints may still
     answer 200 (a corrupt heap or stuck threads: upstream defect `grpc-cancellation`). A thread probes
@@ -31,7 +25,6 @@ server and `run` returns 0.
 """
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
@@ -39,11 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from resnet18_kit.observe.processes import process_alive
 from resnet18_kit.server.config import ConfigurationError, ServerConfig, ServerStartError, StartCancelled
 from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.model_control import ModelControl, SwapError, SwapTarget, same_config, swap
-from resnet18_kit.upstream.seam import QueueWatch
+from resnet18_kit.upstream.seam import QueueWatch, StubWatch
 from resnet18_kit.observe.probe import ProgressWatch, live
 from resnet18_kit.repository import ModelRepository
 from resnet18_kit.server.stop import StopRequest
@@ -101,10 +93,8 @@ class Supervisor:
         self.events: list[SupervisorEvent] = []
         self.restarts = 0
         self._restart_times: list[float] = []
-        #: pid -> instance name of the stubs last seen, and the check round each pid was first seen in.
-        self._stubs: dict[int, str] = {}
-        self._first_seen: dict[int, int] = {}
-        self._round = 0
+        #: The stubs of the server now running (made by start_server).
+        self._stubs: StubWatch | None = None
         #: The stub instances serving before a restart: the restarted server must run the same ones.
         self._instances: set[str] | None = None
         #: With model control: model -> the config each model served when last looked at (after the start
@@ -144,8 +134,11 @@ class Supervisor:
                                     cancelled=None if stop is None else (lambda: stop.wait(0)))
         put_back = self._put_back_swapped()
         expected = self._instances
-        self._follow_stubs()
-        names = set(self._stubs.values())
+        explicit = self.config.model_control == "explicit"  # swaps replace stubs: the configs serving say which
+        self._stubs = StubWatch(self.server.stub_pids, (lambda model: self._serving.get(model)) if explicit else None,
+                                on_change=self._note_serving)
+        self._stubs.follow()
+        names = self._stubs.instances
         if expected is not None and not expected <= names:
             missing = ", ".join(sorted(expected - names))
             self.server.stop(drain_s=0)
@@ -163,9 +156,10 @@ class Supervisor:
         server = self.server
         if server.process.poll() is not None:
             return f"tritonserver exited with status {server.process.returncode}"
-        dead = self._dead_stub()
+        dead = self._stubs.dead()
         if dead is not None:
             return dead
+        self._instances = self._stubs.instances  # a swap's changes too: a restart must bring these back
         if self._is_live():
             self._last_live = time.monotonic()
         elif time.monotonic() - self._last_live > self.policy.unresponsive_after_s:
@@ -179,52 +173,6 @@ class Supervisor:
         return None
 
     # -- stubs and swaps --------------------------------------------------------------------------------
-
-    def _follow_stubs(self) -> bool:
-        """Read the stubs now running into _stubs (and note when each pid was first seen); True when
-        they changed. After a change with model control on, the configs serving are read again."""
-        self._round += 1
-        current = {pid: name for name, pid in self.server.stub_pids()}
-        self._first_seen = {pid: self._first_seen.get(pid, self._round) for pid in current}  # only live pids
-        changed = set(current) != set(self._stubs)
-        self._stubs = current
-        if changed:
-            self._note_serving()
-        return changed
-
-    def _dead_stub(self) -> str | None:
-        """Why the server must restart when a stub is gone that no swap accounts for, else None.
-
-        A swap (model_control) starts the new config's stubs beside the old ones and the old ones
-        exit once it serves (about 2 s apart, measured: the load, the warm-up and the ensemble's reload lie
-        between). So a stub that is gone is a swap's when another stub of the same instance name
-        was already running at an earlier check, or when the config now serving has no such instance;
-        otherwise it died, and a swap sent onto a model whose stub is dead restarts the server too."""
-        before = dict(self._stubs)
-        if not self._follow_stubs():
-            return None
-        for pid, name in before.items():
-            if pid in self._stubs or process_alive(pid) or self._replaced(pid, name):
-                continue
-            return f"Python-backend stub of instance '{name}' (pid {pid}) died"
-        self._instances = set(self._stubs.values())  # a swap's: a restart must bring these back
-        return None
-
-    def _replaced(self, pid: int, name: str) -> bool:
-        """True when the stub `pid` of instance `name` left because a swap replaced or dropped it."""
-        if any(other != pid and other_name == name and self._first_seen[other] < self._round
-               for other, other_name in self._stubs.items()):
-            return True
-        return self.config.model_control == "explicit" and not self._instance_served(name)
-
-    def _instance_served(self, name: str) -> bool:
-        """True when the config the server runs now has instance `name` (or it cannot tell)."""
-        model = re.sub(r"_\d+_\d+$", "", name)  # "<model>_<group>_<instance>", Triton's default names
-        config = self._serving.get(model)
-        if config is None:
-            return True
-        groups = [(group.name or f"{model}_{i}", group.count) for i, group in enumerate(config.instance_group)]
-        return any(name == f"{group}_{j}" for group, count in groups for j in range(count))
 
     def _note_serving(self) -> None:
         """With model control: read every model's config from the server into _serving."""

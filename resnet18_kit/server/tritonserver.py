@@ -160,7 +160,7 @@ def reported_version(http_url: str, timeout_s: float = 2.0) -> str | None:
 def release_of(binary: Path, timeout_s: float = 30.0) -> str:
     """The Triton release the tritonserver executable `binary` (laid out as in ServerConfig.tritonserver)
     reports in its server metadata (GET /v2 "version", e.g. "2.51.0"): read from a start of it with no
-    model on free ports of 127.0.0.1, killed once it answered (about 0.1 s).
+    model on free ports of 127.0.0.1, killed once it has answered.
     Raises ServerStartError when it exits or does not answer within `timeout_s` seconds."""
     http_port, grpc_port, metrics_port = free_ports(3)
     with tempfile.TemporaryDirectory(prefix="triton-release-") as empty:

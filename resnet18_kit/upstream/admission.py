@@ -5,7 +5,7 @@ Upstream defect `keep-alive-stop` (upstream.defects): server PR #6986 with core 
 fix release known; reproduced by tests/test_lifecycle.py (the stop under keep-alive HTTP load); on by
 default in `serve`, off with --no-refuse-first.
 
-Why (Triton 2.51, measured: docs/deployment.md "Stopping under load"): on SIGTERM tritonserver stops
+Why (Triton 2.51; docs/deployment.md "Stopping under load"): on SIGTERM tritonserver stops
 accepting HTTP connections but keeps serving every request that arrives on a connection already open
 (keep-alive) until those connections close or its exit timeout passes; only then does it wait for the
 inferences it holds, with no time left ("Timeout 0"), so it logs "Exit timeout expired. Exiting

@@ -1,12 +1,12 @@
 """The overload signal for operators: how full each model's queue is.
 
 Triton's `/v2/health/ready` stays 200 while a model's queue is full and requests are being refused with
-HTTP 503 / gRPC UNAVAILABLE (measured on 2.51: tests/test_reliability.py), and in this release those
+HTTP 503 / gRPC UNAVAILABLE (Triton 2.51; tests/test_reliability.py shows it), and in this release those
 refusals are counted nowhere on the server: not in `nv_inference_request_failure`, not in the statistics
 extension. What does show overload is the gauge `nv_inference_pending_request_count{model=...}` (requests waiting
 for execution) against the model's `dynamic_batching.default_queue_policy.max_queue_size`. The gauge does
 not count the requests the dynamic batcher has already gathered into the next batch while the instance
-is busy, but the queue limit does: measured on 2.51, a model refuses requests while its gauge reads as
+is busy, but the queue limit does: on 2.51 a model refuses requests while its gauge reads as
 little as max_queue_size - max_batch_size. So the threshold is that value: "at most one more batch
 fits". For the shipped models, 64 - 16 = 48 (75 %), as a Prometheus alert (no new endpoint, only
 Triton's own metric):

@@ -7,7 +7,8 @@ Two calls, each switched by the Triton release that runs:
     config.triton_grpc_port is set), the cancel-marks folder its models read, the admission stop before
     SIGTERM (when config.refuse_first). With neither on it starts nothing and changes nothing: the request
     path is tritonserver's own.
-`banner(release, guarded)` says which are on (serve's ready banner); `QueueWatch` is the overload warning.
+`banner(release, guarded)` says which are on (serve's ready banner). The supervisor watches with two more:
+`StubWatch` finds a dead stub (dead_stub), `QueueWatch` a queue about to refuse (overload).
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from typing import Callable
 
 from resnet18_kit.server.config import ServerConfig
 from resnet18_kit.upstream.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
+from resnet18_kit.upstream.dead_stub import StubWatch
 from resnet18_kit.upstream.defects import banner_line as banner
 from resnet18_kit.upstream.defects import needs
 from resnet18_kit.upstream.overload import QueueWatch
 
-__all__ = ["ServerHelpers", "Switches", "QueueWatch", "banner", "switches"]
+__all__ = ["ServerHelpers", "Switches", "QueueWatch", "StubWatch", "banner", "switches"]
 
 
 @dataclass(frozen=True)
