@@ -279,7 +279,7 @@ def swap(control: ModelControl, targets: list[SwapTarget], timeout_s: float = DE
 
 def stale_cache_note(served: dict, outcomes: list[SwapOutcome]) -> str | None:
     """What to tell the user when a swapped model is a step of an ensemble with a response cache: Triton
-    2.51 keys a cached answer by model, version and inputs, not config, so an image the ensemble answered
+    Triton keys a cached answer by model, version and inputs, not config, so an image the ensemble answered
     before the swap is answered from the cache with the previous config's answer (reproduced in
     tests/test_swap_live.py) until the cache evicts it or the server restarts. None otherwise."""
     changed = {outcome.model for outcome in outcomes if outcome.changed}
@@ -288,7 +288,7 @@ def stale_cache_note(served: dict, outcomes: list[SwapOutcome]) -> str | None:
     if not cached:
         return None
     return (f"note: the response cache of {', '.join(cached)} still answers inputs it saw before this swap with the "
-            "previous config's answers (Triton 2.51 keys a cached answer by model, version and inputs, not config) "
+            "previous config's answers (Triton keys a cached answer by model, version and inputs, not config) "
             "until it evicts them; a restart empties it")
 
 

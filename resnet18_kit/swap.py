@@ -16,8 +16,8 @@ with --model-config-name NAME: <model>/configs/NAME.pbtxt, else config.pbtxt ("d
 everywhere); a model already serving that config is left as it is. --config FILE loads that file for the
 model it names (or --model).
 
-Model control goes over gRPC (--url: the server's gRPC address; through serve's gRPC guard too): Triton
-2.51's HTTP server would hold the HTTP requests of some connections until a load is done.
+Model control goes over gRPC (--url: the server's gRPC address; through serve's gRPC guard too): a load
+over HTTP holds that thread's HTTP requests until it is done (upstream defect http-load-holds).
 
 What the server does (model_control): the new config's instances load and warm up beside the old
 ones, the ensemble is reloaded, and the old instances leave once their requests are answered; nothing

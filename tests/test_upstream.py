@@ -182,3 +182,15 @@ def test_a_tritonserver_that_is_missing_or_reports_no_release_is_one_line_and_ex
                             capture_output=True, text=True, timeout=60, env=environment_without_admin_key())
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert message.format(path=path) in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("release, guarded", [("2.51.0", True), ("2.72.0", False)])
+def test_the_fleets_replicas_get_the_guard_by_the_release_as_serve_does(settings, release, guarded):
+    from dataclasses import replace
+
+    from resnet18_kit.fleet.__main__ import add_arguments, fleet_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    fleet = fleet_config(replace(settings, triton_version=release), parser.parse_args([]))
+    assert [c.triton_grpc_port is not None for c in fleet.replicas] == [guarded] * len(fleet.replicas)

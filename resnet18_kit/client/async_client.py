@@ -152,7 +152,7 @@ class AsyncTritonClassifierClient(ClientCore):
             top_k: predictions per image, 1..1000. model: the ensemble (default "resnet18").
             deadline_s: the call's time budget in seconds. priority: 1 = interactive, 0 = default.
             cancel: an asyncio.Event; setting it cancels the request over gRPC and HTTP alike (over HTTP
-                the connection is closed and the caller freed; Triton 2.51 still computes the request).
+                the connection is closed and the caller freed; Triton still computes the request).
                 Cancelling the task instead leaves the request to finish unanswered, as a deadline does.
 
         Returns:

@@ -37,7 +37,7 @@ UNREGISTER_WAIT_S = 0.05
 #: the caller's remaining time T: the ensemble hands the full timeout to each of its STEP_QUEUES steps'
 #: queues, each followed by an execution (under 2 s at max batch here), so the server answers or refuses
 #: within STEP_QUEUES x T + RPC_GRACE_S, and the RPC is never cancelled under it (a cancellation under
-#: load crashes Triton 2.51: docs/reliability.md "Deadlines and cancellation"). The caller still gets
+#: load crashes tritonserver before the fix of upstream defect grpc-cancellation: docs/reliability.md). The caller still gets
 #: its answer or DeadlineExceededError at T; the RPC goes on unanswered and close() waits for it.
 STEP_QUEUES = 2
 RPC_GRACE_S = 30.0

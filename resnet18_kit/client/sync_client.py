@@ -23,8 +23,8 @@ Deadlines: each call has a time budget (`deadline_s`, default `RetryPolicy.deadl
 of it goes to the server as the request's `timeout` parameter (microseconds): a queue whose policy allows
 it (`allow_timeout_override: true`) refuses the request once its time is up ("Request timeout expired",
 DeadlineExceededError), so it is not computed for nobody. The caller gets its answer or
-DeadlineExceededError when the budget ends; the request itself is never cancelled (Triton 2.51 crashes on
-cancelled gRPC requests under load): its RPC has a longer deadline (client.core.rpc_deadline_s), goes on
+DeadlineExceededError when the budget ends; the request itself is never cancelled (upstream defect
+grpc-cancellation): its RPC has a longer deadline (client.core.rpc_deadline_s), goes on
 unanswered, and close() waits for it before closing the connection.
 
 Priority: `priority=1` puts a request ahead of every default-priority (2) request still queued in the

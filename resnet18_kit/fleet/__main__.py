@@ -10,7 +10,7 @@ package; `make setup` installs it). Clients use the front ends as they would one
 Replica i (1, 2, ...) listens on --replica-base-port + 10 (i - 1): HTTP, +1 gRPC, +2 metrics (each
 replica's Prometheus endpoint; nv_inference_count there is its share of the traffic), +3 tritonserver's own
 gRPC behind the replica's gRPC guard (127.0.0.1 only; upstream.grpc_guard: HAProxy passes a client's
-cancellation on, the guard does not, so no cancellation reaches Triton 2.51, which crashes on them).
+cancellation on, the guard does not: upstream defect grpc-cancellation).
 
 HAProxy checks every replica's /v2/health/ready every 500 ms; one failure takes it out of the pool, two
 successes bring it back. A queue-full 503 is passed to the client and never counts against a replica. A
@@ -59,10 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exit-timeout-s", type=int, default=10,
                         help="seconds a stopping replica gives its in-flight requests (default 10)")
     parser.add_argument("--log-verbose", type=int, default=0, help="the replicas' tritonserver --log-verbose (default 0)")
-    parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--grpc-guard", action=argparse.BooleanOptionalAction, default=None,
                         help="each replica's gRPC port is the kit's guard, which never passes a cancellation on to "
-                             "tritonserver (HAProxy passes its clients' on; Triton 2.51 crashes on them under load); "
-                             "tritonserver's own gRPC on the replica's port + 3 of 127.0.0.1 (default: on)")
+                             "tritonserver (HAProxy passes its clients' on: upstream defect grpc-cancellation); "
+                             "tritonserver's own gRPC on the replica's port + 3 of 127.0.0.1 (default: on where "
+                             "the release lacks the fix, as serve)")
     from resnet18_kit.server.__main__ import add_cache_argument, add_model_control_argument
 
     add_cache_argument(parser, "each replica's")

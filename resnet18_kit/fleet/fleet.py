@@ -6,8 +6,8 @@ Each replica is a `Supervisor` (server.supervisor) with its own ports, log and s
 
   * a replica whose supervisor finds a fault (tritonserver exited, a stub died, no answer) is put in
     maintenance in HAProxy at once (no new request reaches it) and back to ready once its supervisor has
-    it serving again. Triton 2.51 itself keeps answering ready with a dead stub, so HAProxy's check alone
-    would keep it in the pool;
+    it serving again. Triton itself keeps answering ready with a dead stub (upstream defect dead-stub),
+    so HAProxy's check alone would keep it in the pool;
   * `restart(i)` and `roll()` (the rolling restart, SIGHUP to the command) drain a replica in HAProxy
     first, wait until it holds no request, stop it gracefully, start it again, and wait until HAProxy's
     check has it UP before touching the next: clients see no error;
@@ -69,7 +69,7 @@ class FleetConfig:
     ready_timeout_s: float = 300.0
     haproxy: Path | None = None
     #: Put a replica in maintenance as soon as its supervisor finds a fault (False: leave it to HAProxy's
-    #: check, which a dead stub on Triton 2.51 passes; the fleet scenarios measure the check this way).
+    #: check, which a dead stub passes (upstream defect dead-stub); the fleet scenarios measure it this way).
     take_out_on_fault: bool = True
 
 

@@ -2,8 +2,8 @@
 health check and the Kubernetes liveness probe (the same file: it needs nothing but Python's standard
 library, so it runs inside the Triton image as `python3 probe.py ...`).
 
-Why health endpoints are not enough: Triton 2.51 can be left with a corrupt heap or stuck threads (a
-gRPC cancellation race, docs/reliability.md "Deadlines and cancellation") while /v2/health/live and
+Why health endpoints are not enough: a tritonserver can be left with a corrupt heap or stuck threads (as
+upstream defect grpc-cancellation does, docs/reliability.md) while /v2/health/live and
 /v2/health/ready still answer 200 and no request is ever answered again.
 
 One probe round (`ProgressWatch.round`), over HTTP (KServe v2):

@@ -1,25 +1,24 @@
-"""resnet18-kit serve: serve the model repository with Triton 2.51 (the PyPI `tritonserver`, CPU).
+"""resnet18-kit serve: serve the model repository with Triton (the PyPI wheel's `tritonserver`, or --tritonserver).
 
 Runs the export first when model files are missing, checks that the three ports are free (a taken one:
 one line naming it and its holder, exit 2), starts tritonserver, waits until every model is ready on the
 server it started, prints where it listens, then serves until Ctrl-C or SIGTERM.
 
-Stopping (Triton 2.51's --exit-timeout-secs, given by --exit-timeout-s; docs/reliability.md "Stopping"):
+Stopping (tritonserver's --exit-timeout-secs, given by --exit-timeout-s; docs/reliability.md "Stopping"):
   1. the first SIGTERM or SIGINT unloads every model (ensembles first) through the model-control API,
      which tritonserver always runs (with --model-control none it is locked by a key only serve holds):
      new requests are refused at once (HTTP 404 / gRPC NOT_FOUND "has no available versions": not run),
      the requests the models hold are answered, for up to the exit timeout;
   2. then tritonserver gets SIGTERM: it refuses new HTTP connections and exits once the open ones have
-     closed or the exit timeout has passed, holding nothing (Triton 2.51 alone would serve open keep-alive
-     connections until then and abandon what it held: upstream.admission);
+     closed or the exit timeout has passed, holding nothing (without step 1 it would serve open keep-alive
+     connections until then and abandon what it held: upstream defect keep-alive-stop);
   3. serve removes the stubs' shared memory and exits 0.
 More SIGTERMs change nothing (make and Kubernetes may send several). A second Ctrl-C (SIGINT) cuts the
 drain short: tritonserver and its stubs are killed, in-flight requests fail, serve exits 1.
 If serve itself is killed (SIGKILL), tritonserver gets SIGTERM from the kernel and stops the same way.
 
-A supervisor restarts tritonserver when it exits, when a Python-backend stub process dies (Triton 2.51
-does not restart it; the model would fail every request while still reporting READY) or when it stops
-answering; after --max-restarts restarts within 10 minutes it gives up and exits 1.
+A supervisor restarts tritonserver when it exits, when a Python-backend stub process dies (Triton
+does not restart it: upstream defect dead-stub) or when it stops answering; after --max-restarts restarts within 10 minutes it gives up and exits 1.
 
 Swapping configs: with --model-control explicit (and $TRITON_ADMIN_KEY set), `resnet18-kit swap` loads
 another config into the running server while it serves (docs/model-repository.md "Swapping configs"). The
@@ -95,14 +94,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "cancellations on to tritonserver (Triton before 2.59.0 crashes on them under load; "
                              "docs/reliability.md 'Deadlines and cancellation'); tritonserver's own gRPC then "
                              "listens on a free port of 127.0.0.1 (default: on where the release lacks the fix, "
-                             "as 2.51 does; --no-grpc-guard exposes tritonserver's gRPC on --grpc-port)")
+                             "as 2.51; --no-grpc-guard exposes tritonserver's gRPC on --grpc-port)")
     parser.add_argument("--refuse-first", action=argparse.BooleanOptionalAction, default=None,
                         help="on a stop, unload the models before tritonserver gets SIGTERM: new requests are "
                              "refused at once (404 / NOT_FOUND 'has no available versions'), those held are "
                              "answered, none is abandoned (default: on where the release has upstream defect "
                              "keep-alive-stop, which no release has fixed yet). --no-refuse-first behind a load "
                              "balancer whose health check takes the server out: it serves on while the "
-                             "balancer moves traffic away (Triton 2.51 then abandons what it holds if clients "
+                             "balancer moves traffic away (tritonserver then abandons what it holds if clients "
                              "keep sending on open HTTP connections past --exit-timeout-s)")
 
 

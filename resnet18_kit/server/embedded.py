@@ -160,8 +160,8 @@ class EmbeddedTritonServer:
 
     def stub_processes(self) -> dict[str, int]:
         """The Python backend's stub processes of this server: {instance name: pid}, e.g.
-        {"resnet18_onnx_0_0": 4242}. One per model instance; Triton 2.51 does not restart a stub that
-        died (its model stays READY and every request fails), so the supervisor watches these. While a
+        {"resnet18_onnx_0_0": 4242}. One per model instance; Triton does not restart a stub that
+        died (upstream defect dead-stub), so the supervisor watches these. While a
         swap replaces a model's instances, a name has two stubs: stub_pids() lists both."""
         return dict(self.stub_pids())
 
@@ -198,8 +198,8 @@ class EmbeddedTritonServer:
 
         refuse_first: when drain_s > 0 and config.refuse_first, first unload every model
         (upstream.seam.ServerHelpers.before_sigterm: new requests refused, those held answered), for up to
-        exit_timeout_s, so tritonserver holds nothing when its exit timeout ends (Triton 2.51 abandons
-        what it holds then). False skips it (a restart after a fault, a wedged server).
+        exit_timeout_s, so tritonserver holds nothing when its exit timeout ends (upstream defect
+        keep-alive-stop). False skips it (a restart after a fault, a wedged server).
         drain_s: how long to wait after SIGTERM before SIGKILL; default exit_timeout_s + 10 s (the
         server's own exit timeout plus a margin). A gRPC guard in front forwards until tritonserver has
         exited, then stops. hurry: polled every 0.1 s while waiting; True cuts the wait short (SIGKILL

@@ -8,7 +8,7 @@ the problem; the other requests of the batch get their tensors.
 
 Cancellation: a request whose client has gone (cancellation.py beside this file: Triton's own flag, or the
 mark of serve's gRPC guard) is answered CANCELLED before its images are decoded (microseconds, against
-milliseconds per image). On 2.51 an HTTP client that disconnects does not cancel its request.
+milliseconds per image). An HTTP client that disconnects does not cancel its request.
 """
 import json
 import os
