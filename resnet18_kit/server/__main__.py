@@ -18,7 +18,8 @@ drain short: tritonserver and its stubs are killed, in-flight requests fail, ser
 If serve itself is killed (SIGKILL), tritonserver gets SIGTERM from the kernel and stops the same way.
 
 A supervisor restarts tritonserver when it exits, when a Python-backend stub process dies (Triton
-does not restart it: upstream defect dead-stub) or when it stops answering; after --max-restarts restarts within 10 minutes it gives up and exits 1.
+does not restart it: upstream defect dead-stub) or when it stops answering; after --max-restarts restarts
+within 10 minutes it gives up and exits 1.
 
 Swapping configs: with --model-control explicit (and $TRITON_ADMIN_KEY set), `resnet18-kit swap` loads
 another config into the running server while it serves (docs/model-repository.md "Swapping configs"). The

@@ -83,7 +83,8 @@ class ServerConfig:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     #: gRPC behind the kit's guard (upstream.grpc_guard): when set, tritonserver's own gRPC listens on
     #: 127.0.0.1 at this port and the guard listens on `host`:`grpc_port`, where clients connect, so no
-    #: client's deadline or cancellation reaches tritonserver (upstream defect grpc-cancellation). None: tritonserver listens on `grpc_port` itself. EmbeddedTritonServer runs the guard.
+    #: client's deadline or cancellation reaches tritonserver (upstream defect grpc-cancellation). None:
+    #: tritonserver listens on `grpc_port` itself. EmbeddedTritonServer runs the guard.
     triton_grpc_port: int | None = None
     #: On a stop, unload the models before tritonserver gets SIGTERM (upstream.admission): new requests
     #: refused, held ones answered, none abandoned. False behind a load balancer that takes the server out

@@ -167,8 +167,10 @@ def release_of(binary: Path, timeout_s: float = 30.0) -> str:
         command = [str(binary), f"--model-repository={empty}", "--model-control-mode=explicit",
                    f"--http-address={DEFAULT_HOST}", f"--http-port={http_port}", f"--grpc-address={DEFAULT_HOST}",
                    f"--grpc-port={grpc_port}", f"--metrics-address={DEFAULT_HOST}", f"--metrics-port={metrics_port}"]
-        process = subprocess.Popen(command, env=server_environment(wheel_libraries=False), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, start_new_session=True)
+        log_path = Path(empty) / "tritonserver.log"  # a file, not a pipe: a full pipe would stall the server
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, env=server_environment(wheel_libraries=False), stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + timeout_s
             while process.poll() is None and time.monotonic() < deadline:
@@ -176,11 +178,10 @@ def release_of(binary: Path, timeout_s: float = 30.0) -> str:
                 if version is not None:
                     return version
                 time.sleep(0.05)
-            last = (process.stderr.read().decode(errors="replace").strip().splitlines() or [""])[-1] \
+            last = (log_path.read_text(errors="replace").strip().splitlines() or [""])[-1] \
                 if process.poll() is not None else f"no answer in {timeout_s:.0f} s"
             raise ServerStartError(f"{binary} did not report its release: {last}")
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-            process.stderr.close()
