@@ -2,8 +2,8 @@
 
 `fixed_in` is the first Triton release with the whole fix, as read from the upstream pull requests and
 release notes (None: no release known to the kit has it); a workaround is on while the running release
-is older: Settings.triton_version ($TRITON_SERVER_VERSION, which NVIDIA's images set, else the PyPI
-wheel's contract.TRITON_VERSION), which `serve` checks against the version the server reports.
+is older: $TRITON_SERVER_VERSION (NVIDIA's images set it), else the release `serve --tritonserver` reads
+from that server's metadata, else the PyPI wheel's contract.TRITON_VERSION (server.__main__.config_from_args).
 `reproduced_by` names the test that shows the defect on 2.51 or the kit's answer to it.
 """
 from __future__ import annotations
