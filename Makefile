@@ -5,8 +5,8 @@
 PYTHON := .venv/bin/python
 KIT := .venv/bin/resnet18-kit
 ARGS ?=
-# The fast tier: no tritonserver, no Docker engine, no deployment tool (markers: pyproject.toml).
-FAST := not live and not docker and not deploy
+# The fast tier: no tritonserver, no Docker engine, no deployment tool, nothing over 20 s (markers: pyproject.toml).
+FAST := not live and not docker and not deploy and not slow
 
 .PHONY: setup setup-check setup-test export serve demo classify check test evaluate image clean
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         if (exc.name or "").split(".")[0] == "resnet18_kit":
             raise
         return missing_extra(command, exc)
+    except BrokenPipeError:  # stdout's reader went away (`... | head -1`): no traceback, as the shell's tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's docs: nothing more to flush
+        return 141  # 128 + SIGPIPE, what a shell tool's exit would say
     except KeyboardInterrupt:
         print(f"{PROG} {command}: {'stopped by SIGTERM' if terminated else 'interrupted'}; what it had "
               f"started is stopped", file=sys.stderr)

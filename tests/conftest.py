@@ -250,6 +250,44 @@ def eager_model(repository) -> torch.nn.Module:
     return model_from_spec(repository.provenance()["weights"])
 
 
+#: Run in a process of its own by `int8_twin_run`: bench's in-process int8 pipeline twin (every arrangement
+#: compiled, measured, dropped), two photos measured, its facts printed as JSON; then the twin is dropped and
+#: the process sends itself SIGTERM, which its handler must see (OpenVINO's signal-stack defect, test_int8).
+INT8_TWIN_SCRIPT = """
+import gc, json, os, signal, sys, time
+from pathlib import Path
+from resnet18_kit.client.samples import sample_photos
+from resnet18_kit.repository import ModelRepository
+from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin
+twin = PipelineTwin(ModelRepository(Path(sys.argv[1])), "int8", choose_s=0.3)
+photos = [p.read_bytes() for p in sample_photos(("rocket.jpg", "chelsea.png"))]
+facts = {"spec": repr(twin.spec), "runtime": twin.spec.runtime, "batch_size": twin.batch_size,
+         "tried": twin.network_bar.tried, "best": twin.network_bar.best, "network_workers": twin.network_workers,
+         "runners": len(twin.runners), "decode_threads": twin.decode_threads,
+         "measured": twin.measure(photos, saturation_s=1.0, batch1_s=0.5)}
+print(json.dumps(facts, default=str))
+del twin
+gc.collect()
+seen = []
+signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print("handled", seen)
+"""
+
+
+@pytest.fixture(scope="session")
+def int8_twin_run(repository) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of INT8_TWIN_SCRIPT on the shipped repository: one run of the int8
+    pipeline twin (about 10 s) for the twin's own test and the signal test after it."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", INT8_TWIN_SCRIPT, str(repository.root)], capture_output=True,
+                            text=True, timeout=300)
+    return result.returncode, result.stdout, result.stderr
+
+
 @pytest.fixture(scope="session")
 def assert_invalid_argument():
     """assert_invalid_argument(exc, protocol): exc is a client.errors.InvalidInputError carrying HTTP 400

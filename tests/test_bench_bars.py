@@ -1,5 +1,6 @@
 """bench's bars and verdicts: the strongest in-process arrangement and pipeline, the one-line ratio per
 config with its placement, the tensor targets, and a perf_analyzer run that never exits."""
+import json
 import math
 import os
 import time
@@ -10,23 +11,22 @@ from resnet18_kit.contract import ONNX_MODEL
 from resnet18_kit.observe.model_config import ModelConfigView
 
 
-def test_inprocess_pipeline_on_two_photos_runs_the_variants_network_arranged_for_speed(repository):
+def test_inprocess_pipeline_on_two_photos_runs_the_variants_network_arranged_for_speed(repository, int8_twin_run):
     from resnet18_kit.tools.bench.inprocess import bar_batch_sizes
-    from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin
-    from resnet18_kit.client.samples import sample_photos
 
-    twin = PipelineTwin(repository, "int8", choose_s=0.3)
+    returncode, stdout, stderr = int8_twin_run  # PipelineTwin(repository, "int8", choose_s=0.3) in a process
+    assert returncode == 0, (returncode, stderr[-2000:])
+    twin = json.loads(next(line for line in stdout.splitlines() if line.startswith("{")))
     network = ModelConfigView.for_variant(repository, ONNX_MODEL, "int8")
     spec = repository.runtimes().RuntimeSpec.from_parameters(network.parameters, repository.onnx_path.parent)
-    assert twin.spec == spec and twin.spec.runtime == "openvino"  # the variant's file and runtime
-    assert twin.batch_size in bar_batch_sizes(network.max_batch_size, True, quick=True)
-    tried = twin.network_bar.tried
+    assert twin["spec"] == repr(spec) and twin["runtime"] == "openvino"  # the variant's file and runtime
+    assert twin["batch_size"] in bar_batch_sizes(network.max_batch_size, True, quick=True)
+    tried = twin["tried"]
     assert {row["arrangement"] for row in tried} == {"1 runner x all cores", "1 thread x N runners", "openvino streams"}
-    assert twin.network_bar.best["img_per_s"] == max(row["throughput"] for row in tried)
-    assert twin.network_workers == len(twin.runners) == twin.network_bar.best["runners"]
-    assert twin.decode_threads == len(os.sched_getaffinity(0)) + 1
-    photos = [p.read_bytes() for p in sample_photos(("rocket.jpg", "chelsea.png"))]
-    result = twin.measure(photos, saturation_s=1.0, batch1_s=0.5)
+    assert twin["best"]["img_per_s"] == max(row["throughput"] for row in tried)
+    assert twin["network_workers"] == twin["runners"] == twin["best"]["runners"]
+    assert twin["decode_threads"] == len(os.sched_getaffinity(0)) + 1
+    result = twin["measured"]  # twin.measure(rocket.jpg and chelsea.png, saturation_s=1.0, batch1_s=0.5)
     assert result["saturation_img_per_s"] > 0 and math.isfinite(result["saturation_img_per_s"])
     assert result["saturation_batches"] >= 3 and result["batch1_images"] >= 20
     assert 0 < result["batch1_p50_ms"] <= result["batch1_p99_ms"] < math.inf

@@ -133,29 +133,12 @@ def test_export_refuses_missing_or_foreign_weights_in_one_line(tmp_path, capsys,
     assert len(lines) == 2
 
 
-def test_a_process_that_measured_openvino_in_process_survives_a_signal_afterwards(repository):
+def test_a_process_that_measured_openvino_in_process_survives_a_signal_afterwards(int8_twin_run):
     """OpenVINO 2026.4 leaves the compiling thread's signal alternate stack pointing at freed memory once
     several compiled models have come and gone; a signal handled on that thread then crashed the process
-    with SIGSEGV (exit -11). This runs what `bench run` does in-process (the int8 pipeline twin: every
+    with SIGSEGV (exit -11). The fixture runs what `bench run` does in-process (the int8 pipeline twin: every
     arrangement compiled, measured, dropped), then sends itself SIGTERM; runtimes.py compiles on a
     short-lived thread, so the handler runs and the process exits 0."""
-    import subprocess
-    import sys
-
-    script = (
-        "import gc, os, signal, sys, time\n"
-        "from pathlib import Path\n"
-        "from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin\n"
-        "from resnet18_kit.repository import ModelRepository\n"
-        "twin = PipelineTwin(ModelRepository(Path(sys.argv[1])), 'int8', choose_s=0.2)\n"
-        "del twin\n"
-        "gc.collect()\n"
-        "seen = []\n"
-        "signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "time.sleep(0.2)\n"
-        "print('handled', seen)\n")
-    result = subprocess.run([sys.executable, "-c", script, str(repository.root)], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
-    assert result.stdout.strip() == "handled [15]"
+    returncode, stdout, stderr = int8_twin_run
+    assert returncode == 0, (returncode, stderr[-2000:])
+    assert stdout.strip().splitlines()[-1] == "handled [15]", stdout[-2000:]

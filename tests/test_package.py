@@ -75,6 +75,7 @@ MAX_DUPLICATE_PAIRS = 0
 DUPLICATE_MIN_LINES = 6
 
 
+@pytest.mark.slow  # pylint compares every file with every other: 22-28 s on 2 cores
 def test_no_more_repeated_code_than_today():
     files = [str(path) for path in python_files() if "model_repository" not in path.parts]
     result = subprocess.run([str(BIN / "pylint"), "--disable=all", "--enable=duplicate-code",
