@@ -7,7 +7,7 @@
 #                            torchvision, the sample photos) and Debian's libpython3.11 (the Python-backend stub
 #                            embeds it). No Docker, HAProxy or Prometheus.
 #   scripts/setup.sh check   `make check`, the fast tier: demo + the `test` extra (pytest, import-linter, pylint,
-#                            tritonclient[all] with perf_analyzer, matplotlib) + Debian's libb64-0d (perf_analyzer).
+#                            tritonclient[all] with perf_analyzer, matplotlib) + Debian's libb64-0d (perf_analyzer), xz-utils (gpu-pack).
 #   scripts/setup.sh test    `make test`, the whole suite: check + the deployment tools and a Docker engine
 #                            (scripts/setup_deploy_tools.sh tools docker) + Triton Model Analyzer in its own venv,
 #                            .venv-model-analyzer/ (`resnet18-kit model-analyzer --install-only`, about 600 MB).
@@ -22,8 +22,8 @@ layer=${1:-demo}
 case "$layer" in
   demo)  extras=serve,export; debian=(); tools=(); model_analyzer=no ;;
   image) extras=serve,export; debian=(); tools=(docker); model_analyzer=no ;;
-  check) extras=test; debian=(libb64-0d); tools=(); model_analyzer=no ;;
-  test)  extras=test; debian=(libb64-0d); tools=(tools docker); model_analyzer=yes ;;
+  check) extras=test; debian=(libb64-0d xz-utils); tools=(); model_analyzer=no ;;
+  test)  extras=test; debian=(libb64-0d xz-utils); tools=(tools docker); model_analyzer=yes ;;
   *) echo "setup: unknown layer '$layer' (demo, check, test or image)" >&2; exit 2 ;;
 esac
 

@@ -193,8 +193,11 @@ def bundled_libraries(binaries: list[Path], libs: Path) -> list[Path]:
     """The files of nvidia_pytriton.libs that `binaries` load, directly or not (ldd, through their RPATH)."""
     needed = set()
     for binary in binaries:
-        result = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, timeout=60,
-                                env={k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"})
+        try:
+            result = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, timeout=60,
+                                    env={k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"})
+        except FileNotFoundError:
+            raise PackError("ldd is not installed (Debian package libc-bin)") from None
         for line in result.stdout.splitlines():
             _, arrow, resolved = line.partition("=>")
             path = Path(resolved.split("(")[0].strip()) if arrow else None
