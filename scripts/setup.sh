@@ -7,7 +7,8 @@
 #                            torchvision, the sample photos) and Debian's libpython3.11 (the Python-backend stub
 #                            embeds it). No Docker, HAProxy or Prometheus.
 #   scripts/setup.sh check   `make check`, the fast tier: demo + the `test` extra (pytest, import-linter, pylint,
-#                            tritonclient[all] with perf_analyzer, matplotlib) + Debian's libb64-0d (perf_analyzer), xz-utils (gpu-pack).
+#                            tritonclient[all] with perf_analyzer, matplotlib) + Debian's libb64-0d (perf_analyzer)
+#                            and xz-utils (bench gpu-pack).
 #   scripts/setup.sh test    `make test`, the whole suite: check + the deployment tools and a Docker engine
 #                            (scripts/setup_deploy_tools.sh tools docker) + Triton Model Analyzer in its own venv,
 #                            .venv-model-analyzer/ (`resnet18-kit model-analyzer --install-only`, about 600 MB).
