@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -280,9 +282,6 @@ print("handled", seen)
 def int8_twin_run(repository) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of INT8_TWIN_SCRIPT on the shipped repository: one run of the int8
     pipeline twin (about 10 s) for the twin's own test and the signal test after it."""
-    import subprocess
-    import sys
-
     result = subprocess.run([sys.executable, "-c", INT8_TWIN_SCRIPT, str(repository.root)], capture_output=True,
                             text=True, timeout=300)
     return result.returncode, result.stdout, result.stderr
