@@ -64,15 +64,16 @@ def test_the_cpu_default_reserves_no_gpu_and_builds_every_image_it_runs_but_graf
         if name != "grafana":
             assert service["build"]["args"]["BASE_IMAGE"] == "debian:bookworm-slim", name
     for name in ("check-artifacts", "triton", "triton-1", "triton-2", "triton-3"):
-        assert services[name]["image"] == IMAGES["triton"][0], name
-        assert services[name]["build"]["dockerfile"].endswith(IMAGES["triton"][1]), name
-    assert services["haproxy"]["image"] == IMAGES["haproxy"][0]
-    assert services["prometheus"]["image"] == IMAGES["prometheus"][0]
+        assert services[name]["image"] == IMAGES["triton"], name
+        assert services[name]["build"]["dockerfile"].endswith("deploy/docker/Dockerfile"), name
+        assert services[name]["build"]["network"] == "none", name  # it installs from build/wheelhouse only
+    assert services["haproxy"]["image"] == IMAGES["haproxy"]
+    assert services["prometheus"]["image"] == IMAGES["prometheus"]
     assert services["check-artifacts"]["command"][0] == "--check"
     assert "resnet18_kit.observe.probe" in services["triton"]["healthcheck"]["test"]
     published = {(p["host_ip"], int(p["published"]), p["target"]) for p in services["triton"]["ports"]}
     assert published == {("127.0.0.1", 18000, 8000), ("127.0.0.1", 18001, 8001), ("127.0.0.1", 18002, 8002)}
-    cpu = (REPO_ROOT / IMAGES["triton"][1]).read_text()
+    cpu = (REPO_ROOT / "deploy/docker/Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=debian:bookworm-slim$", cpu, re.M)
     assert re.search(r'^ENTRYPOINT \["resnet18-kit", "serve", "--host", "0.0.0.0", "--no-export"\]$', cpu, re.M)
     pins = dict(line.split("==", 1) for line in (REPO_ROOT / "constraints.txt").read_text().splitlines()

@@ -71,7 +71,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         return 1
     for line in report.lines():
         print(f"docker image: {line}", file=sys.stderr)
-    print(" ".join(IMAGES[name][0] for name in names))
+    print(" ".join(IMAGES[name] for name in names))
     return 0
 
 

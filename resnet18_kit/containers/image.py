@@ -14,9 +14,10 @@ run at the same time (the base beside the wheels, the HAProxy and Prometheus bui
   2. the wheels, with the host's pip (its index, proxy and certificates: pip inside a container has none of
      them): build/wheelhouse/ every wheel of the `server` extra pinned by constraints.txt, torch swapped for
      its CPU build (IMAGE_TORCH); build/kit-wheel/ the kit's own wheel;
-  3. `docker build` of each image; the engine's layer cache makes a rebuild with nothing changed take
-     seconds. HAProxy and Prometheus come from Debian's packages, so their builds use the host's network
-     (`--network host`) to reach the Debian mirror.
+  3. `docker compose build` of each image's service (docker-compose.yaml's build sections, BuildKit: the
+     Triton image bind-mounts the wheels); the engine's build cache makes a rebuild with nothing changed
+     take seconds. The Triton build has no network; HAProxy and Prometheus come from Debian's packages, so
+     their builds use the host's network to reach the Debian mirror.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from resnet18_kit.containers.compose import ComposePorts, ComposeProject
 from resnet18_kit.containers.engine import Engine, EngineError, last_line
 
 #: The base a user with a registry gets (Docker Hub's Debian 12).
@@ -44,12 +46,17 @@ LOCAL_BASE_PACKAGES = ("python3", "python3-venv", "libpython3.11", "tini", "ca-c
 #: the CPU build of 2.13.0 (190 MB) loads the model.pt that constraints.txt's torch writes. Its index:
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 IMAGE_TORCH = "torch==2.13.0+cpu"
-#: The image each Dockerfile of deploy/docker/ builds (docker-compose.yaml names the same tags).
+#: The image each service of docker-compose.yaml builds (its `image:`; the Dockerfiles are in deploy/docker/).
 IMAGES = {
-    "triton": ("triton-resnet18:cpu", "deploy/docker/Dockerfile", False),
-    "haproxy": ("triton-resnet18:haproxy-2.6", "deploy/docker/haproxy.Dockerfile", True),
-    "prometheus": ("triton-resnet18:prometheus-2", "deploy/docker/prometheus.Dockerfile", True),
+    "triton": "triton-resnet18:cpu",
+    "haproxy": "triton-resnet18:haproxy-2.6",
+    "prometheus": "triton-resnet18:prometheus-2",
 }
+#: The compose project name of the builds (a build starts no container).
+BUILD_PROJECT = "resnet18-kit-build"
+#: TRITON_ADMIN_KEY for the builds: docker-compose.yaml requires one to be set, no build reads it.
+BUILD_ADMIN_KEY = "unused-by-the-build"
+
 
 
 @dataclass
@@ -86,16 +93,16 @@ class ImageBuild:
         with ThreadPoolExecutor(max_workers=len(self.names) + 1) as pool:
             wheels = pool.submit(self._timed, "wheels", self.wheels) if "triton" in self.names else None
             self.report.base = self._timed("base", self.base)
-            builds = [pool.submit(self._timed, f"build {IMAGES[name][0]}", self.build, *IMAGES[name])
+            builds = [pool.submit(self._timed, f"build {IMAGES[name]}", self.build, name)
                       for name in self.names if name != "triton"]
             if wheels is not None:
                 wheels.result()
-                self._timed(f"build {IMAGES['triton'][0]}", self.build, *IMAGES["triton"])
+                self._timed(f"build {IMAGES['triton']}", self.build, "triton")
             for build in builds:
                 build.result()
         self.report.seconds["total"] = time.monotonic() - start
         for name in self.names:
-            tag = IMAGES[name][0]
+            tag = IMAGES[name]
             size = self.engine.docker("image", "inspect", "--format", "{{.Size}}", tag).stdout.strip()
             self.report.sizes_bytes[tag] = int(size)
         return self.report
@@ -175,15 +182,12 @@ class ImageBuild:
             errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
             raise EngineError(f"pip {args[0]}: {errors[-1] if errors else last_line(result.stderr)}")
 
-    def build(self, tag: str, dockerfile: str, network: bool) -> None:
-        """`docker build` of one image. Context: the repository for the Triton image (.dockerignore lets in
-        the wheels only), deploy/docker/ for the others (they install Debian packages, with `network`)."""
-        args = ["build", "-q", "-f", str(self.root / dockerfile), "--build-arg", f"BASE_IMAGE={self.report.base}",
-                "-t", tag]
-        if network:
-            args += ["--network", "host"]
-        context = (self.root / dockerfile).parent if network else self.root
-        self.engine.docker(*args, str(context), timeout_s=1800)
+    def build(self, service: str) -> None:
+        """`docker compose build` of `service` (a key of IMAGES) from BASE_IMAGE = the base of this run.
+        ComposeError (an EngineError) with compose's last line when it fails."""
+        project = ComposeProject(self.engine, BUILD_PROJECT, ComposePorts(), BUILD_ADMIN_KEY,
+                                 profiles=("fleet", "monitoring"), settings={"BASE_IMAGE": self.report.base})
+        project.run("build", "--quiet", service, timeout_s=1800)
 
 
 def debian_mirror() -> str:
