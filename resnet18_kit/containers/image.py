@@ -183,10 +183,12 @@ class ImageBuild:
             raise EngineError(f"pip {args[0]}: {errors[-1] if errors else last_line(result.stderr)}")
 
     def build(self, service: str) -> None:
-        """`docker compose build` of `service` (a key of IMAGES) from BASE_IMAGE = the base of this run.
-        ComposeError (an EngineError) with compose's last line when it fails."""
+        """`docker compose build` of `service` (a key of IMAGES) from BASE_IMAGE = the base of this run, with
+        BuildKit whatever DOCKER_BUILDKIT says (the Triton image's bind mounts need it). ComposeError (an
+        EngineError) with compose's last line when it fails."""
         project = ComposeProject(self.engine, BUILD_PROJECT, ComposePorts(), BUILD_ADMIN_KEY,
-                                 profiles=("fleet", "monitoring"), settings={"BASE_IMAGE": self.report.base})
+                                 profiles=("fleet", "monitoring"),
+                                 settings={"BASE_IMAGE": self.report.base, "DOCKER_BUILDKIT": "1"})
         project.run("build", "--quiet", service, timeout_s=1800)
 
 
