@@ -58,7 +58,6 @@ BUILD_PROJECT = "resnet18-kit-build"
 BUILD_ADMIN_KEY = "unused-by-the-build"
 
 
-
 @dataclass
 class BuildReport:
     """What ImageBuild.run did: the base used, seconds per step (steps run side by side overlap; `total`
