@@ -73,9 +73,18 @@ class ServerWatch(threading.Thread):
                     comm = (entry / "comm").read_text().strip()
                 except OSError:
                     continue
-                if comm in cls.PROGRAMS and cls.descends_from_us(int(entry.name)):
+                if comm in cls.PROGRAMS and cls.runs_the_program(entry, comm) and cls.descends_from_us(int(entry.name)):
                     found[int(entry.name)] = comm
         return found
+
+    @staticmethod
+    def runs_the_program(entry: Path, comm: str) -> bool:
+        """True when the process's executable is named `comm` too: a shell script named tritonserver (the
+        fake servers of test_upstream) runs /bin/sh and is no server."""
+        try:
+            return Path(os.readlink(entry / "exe")).name == comm
+        except OSError:  # exited, or not ours to read: judge by the name alone
+            return True
 
     @staticmethod
     def descends_from_us(pid: int) -> bool:
