@@ -13,6 +13,7 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tritonclient.grpc import model_config_pb2
 
@@ -118,6 +119,29 @@ def test_the_tensor_levels_fit_the_gpu_variant(repository):
     assert view.max_batch_size == GPU_MAX_BATCH_SIZE
     assert [group.kind for group in view.proto.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
     assert max(TENSOR_LEVELS) == min(2 * view.max_batch_size * instances, view.max_queue_size)
+
+
+def test_the_gpu_runner_matches_the_cpu_runner_and_keeps_no_aliases(repository):
+    """The served GPU path's code (runtimes.GpuRunner: staging buffer, copies, outputs), here on the CPU."""
+    import torch
+
+    runtimes = repository.runtimes()
+    cpu = runtimes.load(runtimes.RuntimeSpec(repository.torchscript_path, "torchscript", threads=1))
+    runner = runtimes.GpuRunner(torch.jit.load(str(repository.torchscript_path)).eval(), "cpu")
+    rng = np.random.default_rng(0)
+    requests = [rng.standard_normal((1, 3, 224, 224), np.float32) for _ in range(3)]
+    staged = np.concatenate(requests, out=runner.staging(3, requests[0]))
+    first = runner(staged)  # written into the staging buffer: run from there
+    assert np.shares_memory(staged, runner.staging(3, requests[0]))
+    expected = cpu(np.concatenate(requests))
+    assert [a.shape for a in first] == [(3, 1000), (3, 1000)]
+    assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(first, expected))
+    kept = [a.copy() for a in first]
+    second = runner(np.concatenate(requests[:1]))  # a smaller batch, copied in: the earlier outputs stay
+    assert all(np.array_equal(a, b) for a, b in zip(first, kept)) and second[0].shape == (1, 1000)
+    assert np.allclose(second[0], expected[0][:1], atol=1e-4)
+    bigger = runner(np.concatenate(requests * 3))  # the buffers grow
+    assert bigger[1].shape == (9, 1000) and np.allclose(bigger[1][6:], expected[1], atol=1e-5)
 
 
 @pytest.mark.live

@@ -53,7 +53,10 @@ class TritonPythonModel:
     def _batch(self, requests):
         inputs = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
         try:
-            outputs = self.run(np.concatenate(inputs))
+            staging = getattr(self.run, "staging", None)  # a GPU runner's pinned input buffer (runtimes.py)
+            batch = (np.concatenate(inputs, out=staging(sum(len(x) for x in inputs), inputs[0])) if staging
+                     else np.concatenate(inputs))
+            outputs = self.run(batch)
             bounds = np.cumsum([len(x) for x in inputs])[:-1]
             per_request = zip(*(np.split(output, bounds) for output in outputs))
         except Exception:

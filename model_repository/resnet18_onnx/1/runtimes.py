@@ -28,6 +28,7 @@ TorchScript pins nothing. tests/test_placement.py reads the threads' affinities 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -160,15 +161,65 @@ def _torchscript(spec: RuntimeSpec) -> Runner:
     threads = spec.threads or usable_cores()
     module = torch.jit.load(str(spec.path), map_location=spec.device).eval()
     if spec.device != "cpu":
-        device = torch.device(spec.device)
-
-        def run_on_gpu(batch: np.ndarray) -> list:  # the batch to the GPU, the outputs back to the host
-            with torch.inference_mode():
-                return [tensor.cpu().numpy() for tensor in module(torch.from_numpy(batch).to(device))]
-        return run_on_gpu
+        return GpuRunner(module, spec.device)
 
     def run(batch: np.ndarray) -> list:
         torch.set_num_threads(threads)
         with torch.inference_mode():
             return [tensor.numpy() for tensor in module(torch.from_numpy(batch))]
     return run
+
+
+class GpuRunner:
+    """A TorchScript module on a GPU, arranged as the in-process GPU bar runs it
+    (resnet18_kit/tools/bench/gpu_bar.py): a CUDA stream of its own, a pinned (page-locked) host batch, its
+    copy on the GPU and pinned host buffers for the outputs; both copies are asynchronous on the stream and
+    the call waits once, for the stream. A pageable batch costs the driver a staging copy and a wait per
+    copy: in the first H200 run, a served batch of 8 computed in 5.7 ms against the bar's 1.3 ms.
+
+    Call with a batch FP32 [N,3,224,224]: the outputs, FP32 [N,1000] each, as new arrays. staging(N) is a
+    view of the pinned input buffer: a batch written there (np.concatenate(..., out=)) is not copied again.
+    The buffers grow to the largest N seen and are this runner's alone: one call at a time. On device
+    "cpu" the same code runs without a stream or pinned memory (tests/test_gpu_run.py checks it there)."""
+
+    def __init__(self, module, device: str):
+        import torch
+
+        self.torch, self.module, self.device = torch, module, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.capacity = 0
+
+    def _grow(self, size: int, sample: np.ndarray) -> None:
+        torch = self.torch
+        self.host_in = torch.empty((size, *sample.shape[1:]), dtype=torch.from_numpy(sample[:0]).dtype,
+                                   pin_memory=self.cuda)
+        self.host_in_array = self.host_in.numpy()
+        self.device_in = torch.empty_like(self.host_in, device=self.device)
+        self.host_out: list = []
+        self.capacity = size
+
+    def staging(self, size: int, like: np.ndarray) -> np.ndarray:
+        """The first `size` rows of the pinned input buffer, shaped and typed as rows of `like`."""
+        if size > self.capacity or self.host_in_array.shape[1:] != like.shape[1:] \
+                or self.host_in_array.dtype != like.dtype:
+            self._grow(size, like)
+        return self.host_in_array[:size]
+
+    def __call__(self, batch: np.ndarray) -> list:
+        torch, size = self.torch, len(batch)
+        staged = self.staging(size, batch)
+        if not np.shares_memory(staged, batch):
+            np.copyto(staged, batch)
+        with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
+            self.device_in[:size].copy_(self.host_in[:size], non_blocking=self.cuda)
+            outputs = self.module(self.device_in[:size])
+            if len(self.host_out) != len(outputs) or self.host_out[0].shape[0] < self.capacity:
+                self.host_out = [torch.empty((self.capacity, *o.shape[1:]), dtype=o.dtype, pin_memory=self.cuda)
+                                 for o in outputs]
+            for host, output in zip(self.host_out, outputs):
+                host[:size].copy_(output, non_blocking=self.cuda)
+        if self.cuda:
+            self.stream.synchronize()
+        # Copies: the buffers are reused by the next call, and a response may still hold its outputs then.
+        return [host[:size].numpy().copy() for host in self.host_out]

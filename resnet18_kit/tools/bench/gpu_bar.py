@@ -124,3 +124,38 @@ def measure_bar(model_path: Path, device: str, max_batch_size: int, deadline: fl
     return {"device": device, "max_batch_size": max_batch_size, "window_s": window_s, "batch_sizes": single,
             "streams": streams, "bar": max(candidates, key=lambda r: r["img_per_s"]),
             "best_any_batch": max(single + streams, key=lambda r: r["img_per_s"]), "not_measured": skipped}
+
+
+def served_runner(runner, batch_sizes: tuple[int, ...], deadline: float, window_s: float = 1.0,
+                  warmup_passes: int = WARMUP_PASSES) -> list[dict]:
+    """The served model's own runner (the repository's resnet18_onnx/1/runtimes.py: `load` for a GPU, or its
+    `GpuRunner` on "cpu" to check the code) called as model.py calls it, on one thread with no server:
+    per-request arrays FP32 [1,3,224,224] concatenated into its staging buffer, the batch run, the outputs
+    back as arrays. Per batch size: {"batch", "img_per_s", "p50_ms", "p99_ms", "passes"}; stops when
+    `deadline` (time.monotonic()) is near. Beside the bar and the served figures it splits the serving
+    path's cost: the runner's (copies, launches) against the server's (batching, IPC, gRPC)."""
+    rows = []
+    for batch_size in batch_sizes:
+        if time.monotonic() + 2 * window_s + 1.0 > deadline:
+            break
+        requests = [np.random.default_rng(i).standard_normal((1, 3, 224, 224), np.float32) for i in range(batch_size)]
+
+        def once() -> None:
+            staging = getattr(runner, "staging", None)
+            batch = (np.concatenate(requests, out=staging(batch_size, requests[0])) if staging
+                     else np.concatenate(requests))
+            runner(batch)
+        for _ in range(warmup_passes):
+            once()
+        spent, end = [], time.perf_counter() + window_s
+        began = time.perf_counter()
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            once()
+            spent.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - began
+        every = np.array(spent) * 1000.0
+        rows.append({"batch": batch_size, "img_per_s": round(len(spent) * batch_size / elapsed, 1),
+                     "p50_ms": round(float(np.percentile(every, 50)), 3),
+                     "p99_ms": round(float(np.percentile(every, 99)), 3), "passes": len(spent)})
+    return rows

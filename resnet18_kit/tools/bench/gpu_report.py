@@ -36,14 +36,16 @@ def steps_table(record: dict) -> list[str]:
 
 
 def tensors_table(tensors: dict) -> list[str]:
-    lines = ["| concurrency | infer/s | p50 ms | p99 ms | average batch | GPU busy |", "|---|---|---|---|---|---|"]
+    lines = ["| concurrency | infer/s | p50 ms | p99 ms | average batch | compute ms per batch | GPU busy |",
+             "|---|---|---|---|---|---|---|"]
     for level in tensors.get("levels", []):
         if "error" in level:
-            lines.append(f"| {cell(level['concurrency'])} | {level['error']} | | | | |")
+            lines.append(f"| {cell(level['concurrency'])} | {level['error']} | | | | | |")
             continue
         stage = next(iter(level["stages"].values()), {})
         lines.append(f"| {cell(level['concurrency'])} | {cell(level['infer_per_s'])} | {cell(level['p50_ms'], 2)} | "
-                     f"{cell(level['p99_ms'], 2)} | {cell(stage.get('average_batch'), 2)} | {percent(level['gpu_busy'])} |")
+                     f"{cell(level['p99_ms'], 2)} | {cell(stage.get('average_batch'), 2)} | "
+                     f"{cell(stage.get('compute_infer_ms'), 2)} | {percent(level['gpu_busy'])} |")
     return lines
 
 
@@ -70,6 +72,12 @@ def bar_lines(bar: dict) -> list[str]:
     for row in bar["batch_sizes"] + bar["streams"]:
         lines.append(f"| {row['batch']} | {row['streams']} | {cell(row['img_per_s'])} | {cell(row['p50_ms'], 2)} | "
                      f"{cell(row['p99_ms'], 2)} |")
+    runner = bar.get("served_runner")
+    if runner:
+        lines += ["", "The served model's runner alone (runtimes.py as model.py calls it, one thread, no server):", "",
+                  "| batch | img/s | p50 ms | p99 ms |", "|---|---|---|---|"]
+        lines += [f"| {row['batch']} | {cell(row['img_per_s'])} | {cell(row['p50_ms'], 2)} | {cell(row['p99_ms'], 2)} |"
+                  for row in runner]
     return lines
 
 

@@ -10,6 +10,7 @@ network's instances are KIND_CPU, the in-process bar runs at batch 1-2 and is re
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from resnet18_kit.server.embedded import EmbeddedTritonServer
 from resnet18_kit.server.tritonserver import tritonserver_binary
 from resnet18_kit.server.resources import python_backend_regions
 from resnet18_kit.tools.bench import gpu_env
-from resnet18_kit.tools.bench.gpu_bar import measure_bar
+from resnet18_kit.tools.bench.gpu_bar import measure_bar, served_runner
 from resnet18_kit.tools.bench.gpu_pack import (GPU_VARIANT, MANIFEST, PAYLOAD, STUB_NUMPY_WHY, STUB_SITE,
                                               numpy_fits_stub)
 from resnet18_kit.tools.load.perf_analyzer import LoadSpec, PerfAnalyzerError, run_level
@@ -44,6 +45,8 @@ GPU_MAX_BATCH_SIZE = 16
 #: Tensor concurrency: powers of two up to 2 x max_batch_size x 2 instances (Triton's rule of thumb for
 #: saturation), which the variant's queue of 64 still holds (tests/test_gpu_run.py checks both).
 TENSOR_LEVELS = (1, 2, 4, 8, 16, 32, 64)
+#: Batch sizes at which the served model's runner is timed alone (gpu_bar.served_runner).
+SERVED_RUNNER_BATCHES = (1, 8, 16)
 #: Photo concurrency through the ensemble (its steps' queues hold 64 each).
 PHOTO_LEVELS = (1, 4, 16, 32, 64)
 #: A dry run's levels and fixed request counts: enough to run every piece once.
@@ -202,19 +205,43 @@ def export(run: GpuContext) -> dict:
 
 
 def inprocess(run: GpuContext, deadline: float) -> dict:
-    """The in-process bar (gpu_bar.measure_bar) on run.device, until `deadline` (time.monotonic())."""
+    """The in-process bar (gpu_bar.measure_bar) on run.device, and the served model's runner timed alone
+    (gpu_bar.served_runner, "served_runner" in the record), until `deadline` (time.monotonic())."""
+    path = run.repository.torchscript_path
     if run.dry_run:
-        measure_bar(run.repository.torchscript_path, "cpu", GPU_MAX_BATCH_SIZE, deadline, batch_sizes=(1, 2),
-                    stream_counts=(2,), window_s=0.1, warmup_passes=1)
-        raise Skipped("dry run, no CUDA: the bar's code ran on the CPU at batch 1 and 2; no figures kept")
+        measure_bar(path, "cpu", GPU_MAX_BATCH_SIZE, deadline, batch_sizes=(1, 2), stream_counts=(2,),
+                    window_s=0.1, warmup_passes=1)
+        import torch
+
+        runtimes = served_runtimes(run)
+        served_runner(runtimes.GpuRunner(torch.jit.load(str(path)).eval(), "cpu"), (1, 2), deadline, window_s=0.1,
+                      warmup_passes=1)
+        raise Skipped("dry run, no CUDA: the bar's and the served runner's code ran on the CPU at batch 1 and 2;"
+                      " no figures kept")
     if run.device == "cpu":
         raise RuntimeError("torch sees no CUDA device")
     import torch
 
     try:
-        return measure_bar(run.repository.torchscript_path, run.device, GPU_MAX_BATCH_SIZE, deadline)
+        record = measure_bar(path, run.device, GPU_MAX_BATCH_SIZE, deadline)
+        runtimes = served_runtimes(run)
+        runner = runtimes.load(runtimes.RuntimeSpec(path, "torchscript", device=run.device))
+        record["served_runner"] = served_runner(runner, SERVED_RUNNER_BATCHES, deadline)
+        return record
     finally:
         torch.cuda.empty_cache()  # the GPU's memory to the server that follows
+
+
+def served_runtimes(run: GpuContext):
+    """runtimes.py as the served network loads it: the bundle's repository holds the gpu_python variant's
+    models only, so it is read from resnet18_torchscript/1/ (in the shipped repository a link to
+    resnet18_onnx/1/runtimes.py, which ModelRepository.runtimes() reads)."""
+    path = run.repository.root / TORCHSCRIPT_MODEL / "1" / "runtimes.py"
+    spec = importlib.util.spec_from_file_location("resnet18_kit_gpu_runtimes", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def serve(run: GpuContext, deadline: float) -> dict:
