@@ -177,7 +177,7 @@ class GpuRunner:
     the call waits once, for the stream. A pageable batch costs the driver a staging copy and a wait per
     copy: in the first H200 run, a served batch of 8 computed in 5.7 ms against the bar's 1.3 ms.
 
-    Call with a batch FP32 [N,3,224,224]: the outputs, FP32 [N,1000] each, as new arrays. staging(N) is a
+    Call with a batch FP32 [N,3,224,224]: the outputs, FP32 [N,1000] each, as new arrays. staging(N, like) is a
     view of the pinned input buffer: a batch written there (np.concatenate(..., out=)) is not copied again.
     The buffers grow to the largest N seen and are this runner's alone: one call at a time. On device
     "cpu" the same code runs without a stream or pinned memory (tests/test_gpu_run.py checks it there)."""
