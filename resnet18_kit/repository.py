@@ -23,11 +23,13 @@ from pathlib import Path
 
 from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, TORCHSCRIPT_MODEL
 
-#: Code of the served models that in-process code runs too: module name -> its file, relative to the root.
+#: Code of the served models that in-process code runs too: module name -> its files relative to the root,
+#: the first that exists is loaded. runtimes.py: resnet18_torchscript's is a link to resnet18_onnx's, and the
+#: only copy in a repository without resnet18_onnx (the GPU bundle's, `bench gpu-pack`).
 SERVED_MODULES = {
-    "image_transform": Path(PREPROCESS_MODEL) / "1" / "image_transform.py",
-    "runtimes": Path(ONNX_MODEL) / "1" / "runtimes.py",
-    "cancellation": Path(PREPROCESS_MODEL) / "1" / "cancellation.py",
+    "image_transform": (Path(PREPROCESS_MODEL) / "1" / "image_transform.py",),
+    "runtimes": (Path(ONNX_MODEL) / "1" / "runtimes.py", Path(TORCHSCRIPT_MODEL) / "1" / "runtimes.py"),
+    "cancellation": (Path(PREPROCESS_MODEL) / "1" / "cancellation.py",),
 }
 #: Package under which served modules are registered in sys.modules (never imported by name).
 SERVED_PACKAGE = "resnet18_kit.served"
@@ -155,15 +157,16 @@ class ModelRepository:
         return f"{SERVED_PACKAGE}.r{hashlib.sha1(str(self.root).encode()).hexdigest()[:10]}"
 
     def served_module(self, name: str):
-        """The repository's own module `name` (a key of SERVED_MODULES), loaded once per repository from its
-        file under a namespaced name (module doc). KeyError for another name; FileNotFoundError when the
-        file is missing."""
+        """The repository's own module `name` (a key of SERVED_MODULES), loaded once per repository from the
+        first of its files that exists, under a namespaced name (module doc). KeyError for another name;
+        FileNotFoundError (naming the first file) when none exists."""
         qualified = f"{self._served_namespace}.{name}"
         module = sys.modules.get(qualified)
         if module is None:
-            path = self.root / SERVED_MODULES[name]
-            if not path.is_file():
-                raise FileNotFoundError(f"served code missing: {path}")
+            paths = [self.root / relative for relative in SERVED_MODULES[name]]
+            path = next((candidate for candidate in paths if candidate.is_file()), None)
+            if path is None:
+                raise FileNotFoundError(f"served code missing: {paths[0]}")
             spec = importlib.util.spec_from_file_location(qualified, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[qualified] = module
@@ -179,5 +182,5 @@ class ModelRepository:
         return self.served_module("image_transform")
 
     def runtimes(self):
-        """resnet18_onnx/1/runtimes.py of this repository (served_module)."""
+        """resnet18_onnx/1/runtimes.py of this repository, or resnet18_torchscript's (served_module)."""
         return self.served_module("runtimes")

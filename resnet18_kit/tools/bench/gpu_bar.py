@@ -83,11 +83,17 @@ def timed(module, device: str, batch_size: int, streams: int, window_s: float, w
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - began
-    passes = sum(len(spent) for spent in latencies)
-    every = np.array([s for spent in latencies for s in spent]) * 1000.0
-    return {"batch": batch_size, "streams": streams, "img_per_s": round(passes * batch_size / elapsed, 1),
-            "p50_ms": round(float(np.percentile(every, 50)), 3) if passes else None,
-            "p99_ms": round(float(np.percentile(every, 99)), 3) if passes else None, "passes": passes}
+    return {"batch": batch_size, "streams": streams,
+            **rates(batch_size, [s for spent in latencies for s in spent], elapsed)}
+
+
+def rates(batch_size: int, spent_s: list[float], elapsed_s: float) -> dict:
+    """{"img_per_s", "p50_ms", "p99_ms" (one pass), "passes"} of passes that took `spent_s` seconds each
+    at `batch_size` images, in a window of `elapsed_s` seconds."""
+    every = np.array(spent_s) * 1000.0
+    return {"img_per_s": round(len(spent_s) * batch_size / elapsed_s, 1),
+            "p50_ms": round(float(np.percentile(every, 50)), 3) if spent_s else None,
+            "p99_ms": round(float(np.percentile(every, 99)), 3) if spent_s else None, "passes": len(spent_s)}
 
 
 def measure_bar(model_path: Path, device: str, max_batch_size: int, deadline: float,
@@ -153,9 +159,5 @@ def served_runner(runner, batch_sizes: tuple[int, ...], deadline: float, window_
             start = time.perf_counter()
             once()
             spent.append(time.perf_counter() - start)
-        elapsed = time.perf_counter() - began
-        every = np.array(spent) * 1000.0
-        rows.append({"batch": batch_size, "img_per_s": round(len(spent) * batch_size / elapsed, 1),
-                     "p50_ms": round(float(np.percentile(every, 50)), 3),
-                     "p99_ms": round(float(np.percentile(every, 99)), 3), "passes": len(spent)})
+        rows.append({"batch": batch_size, **rates(batch_size, spent, time.perf_counter() - began)})
     return rows

@@ -10,7 +10,6 @@ network's instances are KIND_CPU, the in-process bar runs at batch 1-2 and is re
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import re
@@ -213,7 +212,7 @@ def inprocess(run: GpuContext, deadline: float) -> dict:
                     window_s=0.1, warmup_passes=1)
         import torch
 
-        runtimes = served_runtimes(run)
+        runtimes = run.repository.runtimes()
         served_runner(runtimes.GpuRunner(torch.jit.load(str(path)).eval(), "cpu"), (1, 2), deadline, window_s=0.1,
                       warmup_passes=1)
         raise Skipped("dry run, no CUDA: the bar's and the served runner's code ran on the CPU at batch 1 and 2;"
@@ -224,24 +223,12 @@ def inprocess(run: GpuContext, deadline: float) -> dict:
 
     try:
         record = measure_bar(path, run.device, GPU_MAX_BATCH_SIZE, deadline)
-        runtimes = served_runtimes(run)
+        runtimes = run.repository.runtimes()
         runner = runtimes.load(runtimes.RuntimeSpec(path, "torchscript", device=run.device))
         record["served_runner"] = served_runner(runner, SERVED_RUNNER_BATCHES, deadline)
         return record
     finally:
         torch.cuda.empty_cache()  # the GPU's memory to the server that follows
-
-
-def served_runtimes(run: GpuContext):
-    """runtimes.py as the served network loads it: the bundle's repository holds the gpu_python variant's
-    models only, so it is read from resnet18_torchscript/1/ (in the shipped repository a link to
-    resnet18_onnx/1/runtimes.py, which ModelRepository.runtimes() reads)."""
-    path = run.repository.root / TORCHSCRIPT_MODEL / "1" / "runtimes.py"
-    spec = importlib.util.spec_from_file_location("resnet18_kit_gpu_runtimes", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def serve(run: GpuContext, deadline: float) -> dict:
