@@ -80,11 +80,17 @@ class ServerWatch(threading.Thread):
     @staticmethod
     def runs_the_program(entry: Path, comm: str) -> bool:
         """True when the process's executable is named `comm` too: a shell script named tritonserver (the
-        fake servers of test_upstream) runs /bin/sh and is no server."""
+        fake servers of test_upstream) runs /bin/sh and is no server. A zombie (exited, not yet reaped: its
+        exe link cannot be read, its comm and parent still can) runs nothing: False; such a fake server's
+        zombie was once counted as a server."""
         try:
             return Path(os.readlink(entry / "exe")).name == comm
-        except OSError:  # exited, or not ours to read: judge by the name alone
-            return True
+        except OSError:  # exited, a zombie, or not ours to read
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                return False  # gone
+            return stat[stat.rindex(")") + 2:].split()[0] != "Z"  # not ours to read: judge by the name alone
 
     @staticmethod
     def descends_from_us(pid: int) -> bool:
