@@ -86,22 +86,28 @@ class ServerWatch(threading.Thread):
         try:
             return Path(os.readlink(entry / "exe")).name == comm
         except OSError:  # exited, a zombie, or not ours to read
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                return False  # gone
-            return stat[stat.rindex(")") + 2:].split()[0] != "Z"  # not ours to read: judge by the name alone
+            fields = ServerWatch.stat_fields(int(entry.name))
+            return fields is not None and fields[0] != "Z"  # gone: False; not ours to read: judge by the name
+
+    @staticmethod
+    def stat_fields(pid: int) -> list[str] | None:
+        """The fields of /proc/<pid>/stat after the command name (state, ppid, ...: proc(5)), or None when
+        the process has gone. The name is skipped up to its last ")" since it may hold spaces and brackets."""
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        return stat[stat.rindex(")") + 2:].split()
 
     @staticmethod
     def descends_from_us(pid: int) -> bool:
         """True when this pytest process is an ancestor of `pid` (the ppid chain in /proc/<pid>/stat)."""
         ours = os.getpid()
         while pid > 1:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                pid = int(stat[stat.rindex(")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):  # exited while we looked
+            fields = ServerWatch.stat_fields(pid)
+            if fields is None:  # exited while we looked
                 return False
+            pid = int(fields[1])
             if pid == ours:
                 return True
         return False

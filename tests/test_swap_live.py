@@ -33,12 +33,12 @@ def show(result: dict) -> None:
                             {"tallies": [t.row() for t in result["tallies"]]}, default=str), flush=True)
 
 
-def assert_nothing_failed(result: dict) -> None:
+def assert_nothing_failed(result: dict, swaps: tuple[str, ...] = swap_scenarios.SWAPS) -> None:
     for protocol, tally in zip(("http", "grpc"), result["tallies"]):
         assert tally.answered > 20, (protocol, tally.row())
         assert (tally.failed, tally.lost, tally.refused) == (0, 0, 0), (protocol, tally.row(), tally.errors)
     assert result["faults"] == []  # a swap's stubs leaving is not a fault
-    assert len(result["swap_s"]) == len(swap_scenarios.SWAPS)
+    assert len(result["swap_s"]) == len(swaps)
 
 
 def test_a_live_swap_under_load_fails_nothing(swappable, ensemble_repository):
@@ -50,11 +50,14 @@ def test_a_live_swap_under_load_fails_nothing(swappable, ensemble_repository):
 
 
 def test_a_rolling_swap_of_a_fleet_fails_nothing_for_a_client_that_never_retries(ensemble_repository, tmp_path):
-    """The same on a fleet of 2, each replica drained in HAProxy, swapped and put back in turn (one serves
-    while the other is swapped: a third replica would repeat the same step)."""
-    result = swap_scenarios.fleet(ensemble_repository.root, tmp_path, replicas=2, before_s=3.0, after_s=2.0)
+    """The same on a fleet of 2, each replica drained in HAProxy, swapped to int8 and put back in turn (one
+    serves while the other is swapped: a third replica would repeat the same step). One way only: the way
+    back is the same steps to another config, which the one-server swap above makes under load, and the
+    fleet's way there and back is `resnet18-kit reliability run --scenario swap`'s."""
+    result = swap_scenarios.fleet(ensemble_repository.root, tmp_path, replicas=2, before_s=3.0, after_s=2.0,
+                                  swaps=("int8",))
     show(result)
-    assert_nothing_failed(result)
+    assert_nothing_failed(result, swaps=("int8",))
 
 
 @pytest.fixture(scope="module")

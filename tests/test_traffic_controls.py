@@ -58,15 +58,16 @@ def uncached_server(ensemble_repository, tmp_path_factory):
 # -- priority -------------------------------------------------------------------------------------------------
 
 def test_an_interactive_request_jumps_a_bulk_flood(uncached_server, tmp_path):
-    """A trickle at priority 1 under a perf_analyzer flood at the default level: its p99 far below the same
-    trickle's at the default level in the same run, and the server's throughput kept: the flood's and the
-    trickle's answers together (the priority trickle is served sooner, so in the same time it takes a
-    larger share: 22 answers against 12 at the default level in one run, with the flood at 0.83 of alone)."""
+    """A trickle at priority 1 under a perf_analyzer flood at the default level: its p99 far below that of
+    the same trickle at the default level beside it, under the same flood, and the server's throughput kept:
+    the flood's and the trickles' answers together (the priority trickle is served sooner, so in the same
+    time it takes a larger share: 22 answers against 12 at the default level in one run)."""
     # 5 s windows: at least 10 answers of the default-level trickle (9 in 3 s windows, 10 in 4 s, on AMD EPYC
     # Zen 3, where it waits about 1.5 s for each)
-    # One flood alone (before); `bench traffic` runs it after too, for the machine's drift.
+    # One flood alone (before) and one beside both trickles; `bench traffic` runs a flood per trickle and
+    # one alone after too, for the machine's drift.
     record = traffic.priority_run(uncached_server, sample_photos(), tmp_path, window_s=5.0, interval_s=0.5,
-                                  alone_again=False)
+                                  alone_again=False, together=True)
     show(record)
     with_priority, without = record["with_priority"], record["without_priority"]
     assert with_priority["errors"] == without["errors"] == 0, record
@@ -75,8 +76,8 @@ def test_an_interactive_request_jumps_a_bulk_flood(uncached_server, tmp_path):
     assert with_priority["p99_ms"] < 0.6 * without["p50_ms"], record
     assert record["served_ratio"] > 0.85, record
     line = next(li for li in traffic.summary_lines({"priority": record}) if li.startswith("priority: flood"))
-    assert f"served in all, the trickle's {with_priority['trickle_per_s']:.1f} answers/s added: " \
-           f"{record['served_ratio']:.3f}" in line, line
+    assert f"served in all, the trickles' {with_priority['trickle_per_s']:.1f} + {without['trickle_per_s']:.1f} " \
+           f"answers/s added: {record['served_ratio']:.3f}" in line, line
 
 
 def test_a_priority_the_model_does_not_serve_is_refused_in_one_line(uncached_server):

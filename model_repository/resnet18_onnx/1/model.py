@@ -53,12 +53,12 @@ class TritonPythonModel:
     def _batch(self, requests):
         inputs = [pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy() for r in requests]
         try:
+            ends = np.cumsum([len(x) for x in inputs])  # where each request's rows end in the batch
             staging = getattr(self.run, "staging", None)  # a GPU runner's pinned input buffer (runtimes.py)
-            batch = (np.concatenate(inputs, out=staging(sum(len(x) for x in inputs), inputs[0])) if staging
+            batch = (np.concatenate(inputs, out=staging(int(ends[-1]), inputs[0])) if staging
                      else np.concatenate(inputs))
             outputs = self.run(batch)
-            bounds = np.cumsum([len(x) for x in inputs])[:-1]
-            per_request = zip(*(np.split(output, bounds) for output in outputs))
+            per_request = zip(*(np.split(output, ends[:-1]) for output in outputs))
         except Exception:
             return [self._run_alone(batch) for batch in inputs]
         return [self._response(out) for out in per_request]

@@ -130,14 +130,16 @@ def full_batch_ms(config: ServerConfig, tries: int = 5) -> float:
 
 def priority_run(config: ServerConfig, photo_paths: list[Path], out: Path, concurrency: int = 32,
                  window_s: float = 10.0, interval_s: float = 0.4, idle_requests: int = 40,
-                 alone_again: bool = True) -> dict:
+                 alone_again: bool = True, together: bool = False) -> dict:
     """The priority scenario (module doc) against the running server of `config`; perf_analyzer's files
-    under out/. The flood runs alone before and, with `alone_again` (the machine drifts), after the two runs
-    with the trickle; without it the one run before is the flood alone (the tests: one flood fewer).
+    under out/. The flood runs alone before and, with `alone_again` (the machine drifts), after the runs
+    with the trickles; without it the one run before is the flood alone. The trickle at priority 1 and the
+    one at the default level run beside one flood each, or with `together` beside the same flood, side by
+    side (the tests: two floods fewer, and both trickles see the same flood).
     Returns {"idle", "bulk_alone", "with_priority", "without_priority", "bulk_alone_again" (with alone_again),
-    "bulk_ratio" (flood infer/s with the priority trickle / the mean alone), "served_ratio" (the same with
-    the trickle's answers per second of that run added: what the server served in all, the trickle's
-    share included), "full_batch_ms"}."""
+    "together", "bulk_ratio" (flood infer/s beside the priority trickle / the mean alone), "served_ratio"
+    (the same with the answers per second of the trickles beside that flood added: what the server served
+    in all, the trickles' share included), "full_batch_ms"}."""
     photos = [path.read_bytes() for path in photo_paths]
     # Three windows of window_s each, whatever their spread: a flood of a fixed length for every config.
     spec = LoadSpec("concurrency", (concurrency,), input_data=write_input_data(photo_paths, out / "photos.json"),
@@ -146,27 +148,31 @@ def priority_run(config: ServerConfig, photo_paths: list[Path], out: Path, concu
     idle.start()
     idle.join()
     record = {"idle": {**latency_summary_ms(idle.latencies_s), "errors": len(idle.errors)}}
-    runs = (("bulk_alone", None), ("with_priority", 1), ("without_priority", 0)) + \
-        ((("bulk_alone_again", None),) if alone_again else ())
-    for name, priority in runs:
-        trickle = None if priority is None else Trickle(config.grpc_url, photos, priority, interval_s, delay_s=1.0)
-        if trickle:
+    trickled = (("with_priority", 1), ("without_priority", 0))
+    runs = ((("bulk_alone", ()),) + ((("trickles", trickled),) if together else tuple((n, (t,)) for n, t in zip(
+        ("with_priority", "without_priority"), trickled))) + ((("bulk_alone_again", ()),) if alone_again else ()))
+    for folder, beside in runs:
+        trickles = {name: Trickle(config.grpc_url, photos, priority, interval_s, delay_s=1.0)
+                    for name, priority in beside}
+        for trickle in trickles.values():
             trickle.start()
         started = time.monotonic()
-        row = run_level(ENSEMBLE_MODEL, config.grpc_url, "grpc", spec, concurrency, out / name)
-        entry = {"bulk_infer_per_s": row.throughput}
-        if trickle:
+        row = run_level(ENSEMBLE_MODEL, config.grpc_url, "grpc", spec, concurrency, out / folder)
+        for name, trickle in trickles.items():
             trickle.stop()
-            entry.update(latency_summary_ms(trickle.latencies_s), errors=len(trickle.errors),
-                         error_examples=trickle.errors[:2],
-                         trickle_per_s=len(trickle.latencies_s) / (time.monotonic() - started))
-        record[name] = entry
+            record[name] = {"bulk_infer_per_s": row.throughput, **latency_summary_ms(trickle.latencies_s),
+                            "errors": len(trickle.errors), "error_examples": trickle.errors[:2],
+                            "trickle_per_s": len(trickle.latencies_s) / (time.monotonic() - started)}
+        if not trickles:
+            record[folder] = {"bulk_infer_per_s": row.throughput}
+    record["together"] = together
     record["full_batch_ms"] = full_batch_ms(config)
     floods = [record[name]["bulk_infer_per_s"] for name in ("bulk_alone", "bulk_alone_again") if name in record]
     alone = sum(floods) / len(floods)
-    record["bulk_ratio"] = record["with_priority"]["bulk_infer_per_s"] / alone
     with_priority = record["with_priority"]
-    record["served_ratio"] = (with_priority["bulk_infer_per_s"] + with_priority["trickle_per_s"]) / alone
+    record["bulk_ratio"] = with_priority["bulk_infer_per_s"] / alone
+    beside = with_priority["trickle_per_s"] + (record["without_priority"]["trickle_per_s"] if together else 0.0)
+    record["served_ratio"] = (with_priority["bulk_infer_per_s"] + beside) / alone
     return record
 
 
@@ -283,10 +289,13 @@ def summary_lines(record: dict) -> list[str]:
         alone = (f"{p['bulk_alone']['bulk_infer_per_s']:.1f} / {p['bulk_alone_again']['bulk_infer_per_s']:.1f} infer/s "
                  "alone (before / after)" if "bulk_alone_again" in p else
                  f"{p['bulk_alone']['bulk_infer_per_s']:.1f} infer/s alone")
+        added = (f"the trickles' {p['with_priority']['trickle_per_s']:.1f} + "
+                 f"{p['without_priority']['trickle_per_s']:.1f} answers/s" if p.get("together") else
+                 f"the trickle's {p['with_priority']['trickle_per_s']:.1f} answers/s")
         lines.append(f"priority: flood {alone}, {p['with_priority']['bulk_infer_per_s']:.1f} beside the priority "
-                     f"trickle ({p['bulk_ratio']:.3f}); served in all, the trickle's "
-                     f"{p['with_priority']['trickle_per_s']:.1f} answers/s added: {p['served_ratio']:.3f} of the flood "
-                     f"alone (target >= 0.95: {'met' if p['served_ratio'] >= 0.95 else 'MISSED'})")
+                     f"trickle{'s' if p.get('together') else ''} ({p['bulk_ratio']:.3f}); served in all, {added} "
+                     f"added: {p['served_ratio']:.3f} of the flood alone "
+                     f"(target >= 0.95: {'met' if p['served_ratio'] >= 0.95 else 'MISSED'})")
     if "cache" in record:
         c = record["cache"]
         for entry in c["photos"]:

@@ -94,17 +94,22 @@ def row(case: str, fleet: Fleet, protocol: str, tally: Tally, share: list[float]
             "errors": tally.errors[:3], "also": also}
 
 
-def spread(repository: Path, workdir: Path, replicas: int, protocol: str, requests: int = 600) -> dict:
-    """Even spread: `requests` identity requests over ONE connection (HTTP: one sender on one keep-alive
-    connection; gRPC: four senders on one channel); each replica's share."""
+def spread(repository: Path, workdir: Path, replicas: int, protocols: tuple[str, ...] = ("http", "grpc"),
+           requests: int = 600) -> list[dict]:
+    """Even spread, on one fleet of `replicas`, one row per protocol in turn: `requests` identity requests over
+    ONE connection (HTTP: one sender on one keep-alive connection; gRPC: four senders on one channel); each
+    replica's share of that protocol's requests."""
+    rows = []
     with Fleet(fleet_config(repository, workdir, replicas), drain_on_exit=False) as fleet:
-        before = counts(fleet, IDENTITY_MODEL)
-        load = FleetLoad(fleet.config.front.server_config(), protocol, identity_load(),
-                         workers=1 if protocol == "http" else 4, limit=requests).start()
-        tally = load.wait()
-        share = shares(before, counts(fleet, IDENTITY_MODEL))
-        return row("even spread", fleet, protocol, tally, share,
-                   f"largest gap from an even share {spread_error(share):.1%}")
+        for protocol in protocols:
+            before = counts(fleet, IDENTITY_MODEL)
+            load = FleetLoad(fleet.config.front.server_config(), protocol, identity_load(),
+                             workers=1 if protocol == "http" else 4, limit=requests).start()
+            tally = load.wait()
+            share = shares(before, counts(fleet, IDENTITY_MODEL))
+            rows.append(row("even spread", fleet, protocol, tally, share,
+                            f"largest gap from an even share {spread_error(share):.1%}"))
+    return rows
 
 
 class CountWatch:
@@ -298,7 +303,7 @@ def run_all(shipped: Path, workdir: Path, requests: int = 600) -> list[dict]:
     rolling restart, replica SIGKILLed, stub SIGKILLed, overload (light models), then the ensemble of the
     shipped repository `shipped`. Each fleet's files in its own folder under `workdir`."""
     light = light_repository(workdir / "models")
-    rows = [spread(light, workdir / f"spread-{n}-{p}", n, p, requests) for n in (2, 3) for p in ("http", "grpc")]
+    rows = [r for n in (2, 3) for r in spread(light, workdir / f"spread-{n}", n, requests=requests)]
     rows += rolling_restart(light, workdir / "rolling-restart")
     rows += replica_killed(light, workdir / "replica-killed")
     rows += stub_killed(light, workdir / "stub-killed")

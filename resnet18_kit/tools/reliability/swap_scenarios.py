@@ -94,9 +94,9 @@ def phase_figures(tally: Tally, before: tuple[float, float], during: tuple[float
     return out
 
 
-def _run_swaps(load_target: ServerConfig, load: TensorLoad, do_swap, servers, before_s: float, after_s: float
-               ) -> dict:
-    """Load `load_target` with HTTP and gRPC, call do_swap(variant) for each of SWAPS, and gather the figures
+def _run_swaps(load_target: ServerConfig, load: TensorLoad, do_swap, servers, before_s: float, after_s: float,
+               swaps: tuple[str, ...] = SWAPS) -> dict:
+    """Load `load_target` with HTTP and gRPC, call do_swap(variant) for each of `swaps`, and gather the figures
     (once the stubs of earlier swaps have left, so the memory before is one config's)."""
     _wait_settled(servers)
     with PeakMemory(servers) as memory, ExitStack() as stack:
@@ -105,7 +105,7 @@ def _run_swaps(load_target: ServerConfig, load: TensorLoad, do_swap, servers, be
         time.sleep(before_s)
         memory.mark()
         started, seconds = time.monotonic(), []
-        for variant in SWAPS:
+        for variant in swaps:
             mark = time.monotonic()
             do_swap(variant)
             seconds.append(time.monotonic() - mark)
@@ -160,9 +160,10 @@ def swaps_on(supervisor: Supervisor, key: str, repository: Path, before_s: float
     return result
 
 
-def fleet(repository: Path, workdir: Path, replicas: int = 3, before_s: float = 5.0, after_s: float = 3.0) -> dict:
+def fleet(repository: Path, workdir: Path, replicas: int = 3, before_s: float = 5.0, after_s: float = 3.0,
+          swaps: tuple[str, ...] = SWAPS) -> dict:
     """A fleet of `replicas` swapped replica by replica (drained in HAProxy, swapped, back UP) under load
-    through its front ends."""
+    through its front ends, once per variant of `swaps` (SWAPS: there and back; ("int8",) rolls one way)."""
     key = secrets.token_hex(16)
     files = ModelRepository(repository)
     with Fleet(fleet_config(repository, workdir, replicas, model_control="explicit", admin_key=key),
@@ -175,7 +176,7 @@ def fleet(repository: Path, workdir: Path, replicas: int = 3, before_s: float = 
                             lambda variant: steps.extend(r.seconds for r in swap_fleet(
                                 workdir, variant_targets(files, variant), key)),
                             lambda: [s.server if s is not None else None for s in running.supervisors],
-                            before_s, after_s)
+                            before_s, after_s, swaps)
         faults = [e.detail for s in running.supervisors if s is not None for e in s.events if e.kind == "fault"]
     result.update(case=f"fleet of {replicas}", faults=faults, idle_swap_s=idle_s, replica_steps=steps)
     return result
