@@ -148,9 +148,11 @@ def priority_run(config: ServerConfig, photo_paths: list[Path], out: Path, concu
     idle.start()
     idle.join()
     record = {"idle": {**latency_summary_ms(idle.latencies_s), "errors": len(idle.errors)}}
-    trickled = (("with_priority", 1), ("without_priority", 0))
-    runs = ((("bulk_alone", ()),) + ((("trickles", trickled),) if together else tuple((n, (t,)) for n, t in zip(
-        ("with_priority", "without_priority"), trickled))) + ((("bulk_alone_again", ()),) if alone_again else ()))
+    # (perf_analyzer's folder, the trickles beside its flood as (record key, priority))
+    urgent, default = ("with_priority", 1), ("without_priority", 0)
+    runs = [("bulk_alone", ())]
+    runs += [("trickles", (urgent, default))] if together else [(urgent[0], (urgent,)), (default[0], (default,))]
+    runs += [("bulk_alone_again", ())] if alone_again else []
     for folder, beside in runs:
         trickles = {name: Trickle(config.grpc_url, photos, priority, interval_s, delay_s=1.0)
                     for name, priority in beside}
