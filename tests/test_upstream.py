@@ -24,6 +24,7 @@ from resnet18_kit.tools.reliability.senders import send_fresh
 from resnet18_kit.tools.reliability.sigterm import environment_without_admin_key, serve_command
 from resnet18_kit.upstream import DEFECTS, banner_line, needs, parse_version, workarounds
 from resnet18_kit.upstream.cancel_marks import ENVIRONMENT as CANCEL_MARKS_ENVIRONMENT
+from resnet18_kit.upstream.seam import StubWatch
 
 
 RELIABILITY = REPO_ROOT / "docs" / "reliability.md"
@@ -194,3 +195,20 @@ def test_the_fleets_replicas_get_the_guard_by_the_release_as_serve_does(settings
     add_arguments(parser)
     fleet = fleet_config(replace(settings, triton_version=release), parser.parse_args([]))
     assert [c.triton_grpc_port is not None for c in fleet.replicas] == [guarded] * len(fleet.replicas)
+
+
+def test_a_stub_that_leaves_the_listing_before_it_has_exited_is_still_reported_dead():
+    """A SIGKILLed stub's argv vanishes from /proc a moment before it turns zombie: the listing drops it
+    while it still exists. The watch keeps following it, and reports it once it is gone."""
+    stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    listed = [("echo_0_0", stub.pid)]
+    watch = StubWatch(lambda: list(listed))
+    try:
+        watch.follow()
+        listed.clear()  # out of the listing, still running (exiting)
+        assert watch.dead() is None and watch.instances == {"echo_0_0"}
+    finally:
+        stub.kill()
+        stub.wait()
+    assert watch.dead() == f"Python-backend stub of instance 'echo_0_0' (pid {stub.pid}) died"
+    assert watch.dead() is None and watch.instances == set()

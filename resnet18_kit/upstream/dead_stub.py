@@ -43,6 +43,9 @@ class StubWatch:
         """Read the stubs now running (and note when each pid was first seen); True when they changed."""
         self._round += 1
         current = {pid: name for name, pid in self._stub_pids()}
+        # A SIGKILLed stub leaves the listing (its argv is gone) a moment before it is a zombie: one that left
+        # but has not finished exiting stays followed, so that its death shows at a later check.
+        current.update({pid: name for pid, name in self.stubs.items() if pid not in current and process_alive(pid)})
         self._first_seen = {pid: self._first_seen.get(pid, self._round) for pid in current}  # only live pids
         changed = set(current) != set(self.stubs)
         self.stubs = current
@@ -61,7 +64,7 @@ class StubWatch:
         if not self.follow():
             return None
         for pid, name in before.items():
-            if pid in self.stubs or process_alive(pid) or self._replaced(pid, name):
+            if pid in self.stubs or self._replaced(pid, name):
                 continue
             return f"Python-backend stub of instance '{name}' (pid {pid}) died"
         return None
