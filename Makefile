@@ -5,7 +5,8 @@
 PYTHON := .venv/bin/python
 KIT := .venv/bin/resnet18-kit
 ARGS ?=
-# The fast tier: no tritonserver, no Docker engine, no deployment tool, nothing over 20 s (markers: pyproject.toml).
+# The fast tier: no tritonserver, no Docker engine, no deployment tool, nothing over 20 s (markers: pyproject.toml),
+# one worker per core, each file on one worker (its module fixtures built once). ARGS="-n 0": one process.
 FAST := not live and not docker and not deploy and not slow
 
 .PHONY: setup setup-check setup-test export serve demo classify check test evaluate image clean
@@ -31,8 +32,8 @@ demo: export  ## the main job: serve, classify the sample photos over HTTP and g
 classify: setup  ## classify images on a running server: make classify ARGS="photo.jpg folder/"
 	@$(KIT) classify $(ARGS)
 
-check: setup-check export  ## the fast tier (about 2 minutes): no server, no Docker; ARGS="-k name" etc.
-	@$(PYTHON) -m pytest -m "$(FAST)" $(ARGS)
+check: setup-check export  ## the fast tier (about 1.5 minutes): no server, no Docker; ARGS="-k name" etc.
+	@$(PYTHON) -m pytest -m "$(FAST)" -n auto --dist loadfile $(ARGS)
 
 test: setup-test export  ## the whole suite: real tritonservers, fleets and compose stacks on free ports
 	@$(PYTHON) -m pytest $(ARGS)

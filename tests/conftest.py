@@ -144,8 +144,9 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Writes results/test-durations.json: the marker expression, the exit status and every phase."""
-    if not _phases:
+    """Writes results/test-durations.json: the marker expression, the exit status and every phase (under
+    pytest-xdist the controller, which receives every worker's reports, writes it; the workers do not)."""
+    if not _phases or hasattr(session.config, "workerinput"):
         return
     DURATIONS_JSON.parent.mkdir(parents=True, exist_ok=True)
     DURATIONS_JSON.write_text(json.dumps({"markexpr": session.config.getoption("markexpr"),

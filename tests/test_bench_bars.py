@@ -1,5 +1,6 @@
 """bench's bars and verdicts: the strongest in-process arrangement and pipeline, the one-line ratio per
-config with its placement, the tensor targets, and a perf_analyzer run that never exits."""
+config with its placement, the tensor targets, a perf_analyzer run that never exits, and a process that
+measured OpenVINO in-process still handling a signal."""
 import json
 import math
 import os
@@ -30,6 +31,17 @@ def test_inprocess_pipeline_on_two_photos_runs_the_variants_network_arranged_for
     assert result["saturation_img_per_s"] > 0 and math.isfinite(result["saturation_img_per_s"])
     assert result["saturation_batches"] >= 3 and result["batch1_images"] >= 20
     assert 0 < result["batch1_p50_ms"] <= result["batch1_p99_ms"] < math.inf
+
+
+def test_a_process_that_measured_openvino_in_process_survives_a_signal_afterwards(int8_twin_run):
+    """OpenVINO 2026.4 leaves the compiling thread's signal alternate stack pointing at freed memory once
+    several compiled models have come and gone; a signal handled on that thread then crashed the process
+    with SIGSEGV (exit -11). The fixture runs what `bench run` does in-process (the int8 pipeline twin: every
+    arrangement compiled, measured, dropped), then sends itself SIGTERM; runtimes.py compiles on a
+    short-lived thread, so the handler runs and the process exits 0."""
+    returncode, stdout, stderr = int8_twin_run
+    assert returncode == 0, (returncode, stderr[-2000:])
+    assert stdout.strip().splitlines()[-1] == "handled [15]", stdout[-2000:]
 
 
 class _FakeLoaders:
