@@ -4,14 +4,12 @@ supervisor are what is measured) on the echo model, under a load that retries re
 
 Each case reports what the retrying clients saw (sent / answered / refused / failed / lost: a logical
 request is "refused" when it ended refused after its retries, "failed" on any other error, "lost" with no
-outcome at all), the serve command's exit status and time to exit, its first lines on stderr where it
-refused to start, the Python-backend regions in /dev/shm before and after, and the processes it left
-(tritonserver and stubs still alive afterwards: must be none).
+outcome at all), serve's exit status and time to exit, its lines on stderr, the Python-backend regions in
+/dev/shm before and after, and the processes it left (tritonserver and stubs alive afterwards: none).
 
 Cases (`CASES`, the `--scenario lifecycle` rows of docs/records/reliability.md):
   sigterm            one SIGTERM under load
-  sigterm-x3         three SIGTERMs within 100 ms (what `kill -TERM -- -<pgid>` on `make serve` and
-                     Kubernetes can deliver)
+  sigterm-x3         three SIGTERMs within 100 ms (`kill -TERM -- -<pgid>` on `make serve`, Kubernetes)
   sigint             one SIGINT (Ctrl-C)
   sigint-x2          two SIGINTs (Ctrl-C twice: the drain is cut short, exit 1)
   sigterm-starting   SIGTERM while the server is starting, before it is ready
@@ -35,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from resnet18_kit.contract import REPO_ROOT
+from resnet18_kit.contract import REPO_ROOT, STUB_EXECUTABLE
 from resnet18_kit.tools.load.outcomes import ANSWERED, ERROR, LOST, REFUSED, TIMED_OUT, Outcome
 from resnet18_kit.observe.processes import child_processes, process_alive
 from resnet18_kit.tools.reliability import ECHO_MODEL, repository_with
@@ -43,8 +41,7 @@ from resnet18_kit.tools.reliability.loads import HANG_BOUND_S, TensorLoad, echo_
 from resnet18_kit.tools.reliability.senders import send_fresh
 from resnet18_kit.tools.reliability.sigterm import environment_without_admin_key, serve_arguments, serve_command
 from resnet18_kit.server.config import ServerConfig, config_on_free_ports
-from resnet18_kit.contract import STUB_EXECUTABLE
-from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, python_backend_regions
+from resnet18_kit.server.resources import PYTHON_BACKEND_SHM_PREFIX, python_backend_regions, remove_regions
 
 CASES = ("sigterm", "sigterm-x3", "sigint", "sigint-x2", "sigterm-starting", "http-busy", "grpc-busy",
          "metrics-busy", "stub-kill", "tritonserver-kill", "serve-kill", "model-deleted")
@@ -216,8 +213,9 @@ class ServeRun:
         """"<name> <pid>" of every process this serve started that is still alive (zombies excluded)."""
         return [f"{name} {pid}" for pid, name in sorted(self.seen.items()) if process_alive(pid)]
 
-    def kill_everything(self) -> None:
-        """SIGKILL serve and whatever it started (the clean-up after a failed case)."""
+    def kill_everything(self) -> list[str]:
+        """SIGKILL serve and whatever it started, then unlink the shared-memory regions of its servers (the
+        clean-up after a failed case); returns the names of the regions it unlinked."""
         self.watch()
         for pid in [self.process.pid, *self.seen]:
             try:
@@ -225,6 +223,11 @@ class ServeRun:
             except ProcessLookupError:
                 pass
         self.process.wait()
+        deadline = time.monotonic() + 10.0
+        while self.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [region.name for pid in (self.process.pid, *self.seen)
+                for region in remove_regions(f"{PYTHON_BACKEND_SHM_PREFIX}{pid}x")]
 
     def stderr_lines(self, prefix: str = "serve: ") -> list[str]:
         """serve's own lines (those starting with `prefix`), in order."""
@@ -244,7 +247,8 @@ def run_case(case: str, work_dir: Path, load_s: float = 2.0, exit_timeout_s: int
     """Run fault-matrix case `case` (CASES) in `work_dir` (its own echo repository, serve log and
     tritonserver log). Returns {"case", "counts" (RetryingLoad.counts), "exit_status" (None: still
     running after EXIT_BOUND_S, i.e. hung), "exit_s" (seconds from the fault to serve's exit),
-    "shm_before", "shm_after" (regions in /dev/shm, all servers), "shm_left" (this serve's regions left),
+    "shm_before", "shm_after" (regions in /dev/shm, all servers), "shm_left" (this serve's regions left,
+    those the clean-up of a hung case unlinked included),
     "left_running" (processes it left), "lines" (serve's own stderr lines after the fault)}.
     """
     if case not in CASES:
@@ -258,7 +262,7 @@ def run_case(case: str, work_dir: Path, load_s: float = 2.0, exit_timeout_s: int
                             "metrics-busy": config.metrics_port}[case])
     run = ServeRun(config, work_dir)
     load = RetryingLoad(config, echo_load(), clients=2)
-    lines_before = 0
+    lines_before, unlinked = 0, []
     try:
         if case == "sigterm-starting":
             while run.server_pid() is None and run.process.poll() is None:
@@ -291,10 +295,11 @@ def run_case(case: str, work_dir: Path, load_s: float = 2.0, exit_timeout_s: int
         if holder is not None:
             holder.close()
         if run.process.poll() is None:
-            run.kill_everything()
+            unlinked = run.kill_everything()
     left = run.leftovers()
     return {"case": case, "counts": load.counts(), "exit_status": status, "exit_s": round(exit_s, 2),
-            "shm_before": shm_before, "shm_after": len(shm_regions()), "shm_left": shm_regions(run.process.pid),
+            "shm_before": shm_before, "shm_after": len(shm_regions()),
+            "shm_left": unlinked + shm_regions(run.process.pid),
             "left_running": left, "lines": run.stderr_lines()[lines_before:]}
 
 
@@ -371,8 +376,7 @@ def repeated_stops(work_dir: Path, repeat: int, exit_bound_s: float = EXIT_BOUND
                 last = [line for line in run.stderr_lines() if line.startswith("serve: exiting with status")]
                 serve_statuses.add(int(last[-1].rsplit(" ", 1)[1]) if last else None)
         finally:
-            if run.process.poll() is None:
-                run.kill_everything()
+            shm_left += run.kill_everything() if run.process.poll() is None else []
         left += run.leftovers()
         shm_left += [name for pid in (run.process.pid, *run.seen) for name in shm_regions(pid)]
     exits.sort()
@@ -384,8 +388,7 @@ def repeated_stops(work_dir: Path, repeat: int, exit_bound_s: float = EXIT_BOUND
 
 
 def table_row(result: dict) -> list:
-    """The fault-matrix row of one run_case result: case, sent, answered, refused, failed, lost, exit
-    status, time to exit, shm before -> after, processes left."""
+    """The fault-matrix row (MATRIX_COLUMNS) of one run_case result."""
     counts = result["counts"]
     return [result["case"], counts["sent"], counts["answered"], counts["refused"], counts["failed"],
             counts["lost"], "hung" if result["exit_status"] is None else result["exit_status"],
