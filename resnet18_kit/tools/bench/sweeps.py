@@ -264,7 +264,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measurement-ms", type=int,
                         help="perf_analyzer measurement window, ms (default 2500, quick 1500)")
     parser.add_argument("--out", type=Path, metavar="DIR",
-                        help="results folder (default <results>/bench-<time>[-quick])")
+                        help="results folder, a new one (default <results>/bench-<time>[-quick])")
     parser.add_argument("--pipeline-variants", nargs="+", metavar="NAME",
                         help="config variants for the end-to-end part (server-wide --model-config-name; "
                              "default: default, and int8 when configs/int8.pbtxt exists)")
@@ -292,6 +292,8 @@ def usage_problem(repository: ModelRepository, args: argparse.Namespace) -> str 
     served = args.served_repository
     if served is not None and not (served / args.model).is_dir():
         return f"--served-repository: no model repository with {args.model} at {served}"
+    if args.out is not None and args.out.exists():
+        return f"--out {args.out}: exists already; name a new folder (a run never writes into another's)"
     return None
 
 
