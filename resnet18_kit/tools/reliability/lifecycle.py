@@ -48,9 +48,8 @@ CASES = ("sigterm", "sigterm-x3", "sigint", "sigint-x2", "sigterm-starting", "ht
 #: Seconds each case gives serve to start (the echo model: about 3 s here) and to exit after its fault.
 START_BOUND_S = 120.0
 EXIT_BOUND_S = 60.0
-#: A logical request is retried on a refusal (503 / UNAVAILABLE, connection refused) for this long.
-RETRY_BUDGET_S = 30.0
-RETRY_PAUSE_S = 0.05
+#: A logical request is retried on a refusal (503 / UNAVAILABLE, connection refused) for this long, this often.
+RETRY_BUDGET_S, RETRY_PAUSE_S = 30.0, 0.05
 #: Statuses a client retries: the server refused the request (queue full, timed out, not ready), or
 #: cancelled a gRPC call it had not answered when its gRPC endpoint shut down.
 RETRYABLE_STATUSES = ("503", "StatusCode.UNAVAILABLE", "StatusCode.CANCELLED")
@@ -160,8 +159,7 @@ class ServeRun:
         work_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:  # environ: variables added to environment_without_admin_key()
             self.process = subprocess.Popen(command or serve_command(config, work_dir / "tritonserver.log"),
-                                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True,
+                                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**environment_without_admin_key(), **(environ or {})})
         self.started = time.monotonic()
         self.seen: dict[int, str] = {}
@@ -213,6 +211,12 @@ class ServeRun:
         """"<name> <pid>" of every process this serve started that is still alive (zombies excluded)."""
         return [f"{name} {pid}" for pid, name in sorted(self.seen.items()) if process_alive(pid)]
 
+    def wait_gone(self, timeout_s: float) -> None:
+        """Block until no process this serve started is alive (`leftovers` empty), or `timeout_s` seconds pass."""
+        deadline = time.monotonic() + timeout_s
+        while self.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def kill_everything(self) -> list[str]:
         """SIGKILL serve and whatever it started, then unlink the shared-memory regions of its servers (the
         clean-up after a failed case); returns the names of the regions it unlinked."""
@@ -223,9 +227,7 @@ class ServeRun:
             except ProcessLookupError:
                 pass
         self.process.wait()
-        deadline = time.monotonic() + 10.0
-        while self.leftovers() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        self.wait_gone(10.0)
         return [region.name for pid in (self.process.pid, *self.seen)
                 for region in remove_regions(f"{PYTHON_BACKEND_SHM_PREFIX}{pid}x")]
 
@@ -286,9 +288,7 @@ def run_case(case: str, work_dir: Path, load_s: float = 2.0, exit_timeout_s: int
         status = run.wait_exit()
         exit_s = time.monotonic() - fault_at
         if case == "serve-kill":  # serve is gone at once; time until its tritonserver stopped too
-            deadline = time.monotonic() + EXIT_BOUND_S
-            while run.leftovers() and time.monotonic() < deadline:
-                time.sleep(0.1)
+            run.wait_gone(EXIT_BOUND_S)
             exit_s = time.monotonic() - fault_at
     finally:
         load.stop()
