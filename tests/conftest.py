@@ -38,13 +38,20 @@ DOCKER_FIXTURES = {"engine", "images"}
 
 
 def pytest_collection_modifyitems(items):
-    """Marks tests by the fixtures they use: `live` (a tritonserver) and `docker` (a Docker engine)."""
+    """Marks tests by the fixtures they use: `live` (a tritonserver) and `docker` (a Docker engine). Then
+    orders the files, each kept whole (its module fixtures start once): files with neither live nor docker
+    tests first, then those with live tests, then those with docker tests, so that the image build
+    (EarlyImages) runs beside the first group and never beside a server's latency bound."""
+    rank: dict[str, int] = {}
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & LIVE_FIXTURES:
             item.add_marker(pytest.mark.live)
         if names & DOCKER_FIXTURES:
             item.add_marker(pytest.mark.docker)
+        tier = 2 if item.get_closest_marker("docker") else 1 if item.get_closest_marker("live") else 0
+        rank[item.nodeid.split("::", 1)[0]] = max(rank.get(item.nodeid.split("::", 1)[0], 0), tier)
+    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])  # stable: the order within a group stays
 
 
 class ServerWatch(threading.Thread):
@@ -61,6 +68,7 @@ class ServerWatch(threading.Thread):
         self.unmarked: dict[str, set[str]] = {}        # nodeid -> programs it started while unmarked
         self.stopping = threading.Event()
         self.seen = set(self.servers())
+        self.excuse_engine = False  # EarlyImages runs: the engine's processes belong to no test
 
     @classmethod
     def servers(cls) -> dict[int, str]:
@@ -112,12 +120,29 @@ class ServerWatch(threading.Thread):
                 return True
         return False
 
+    @staticmethod
+    def under_dockerd(pid: int) -> bool:
+        """True when a dockerd is an ancestor of `pid` (a build's step)."""
+        while pid > 1:
+            fields = ServerWatch.stat_fields(pid)
+            if fields is None:
+                return False
+            pid = int(fields[1])
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "dockerd":
+                    return True
+            except OSError:
+                return False
+        return False
+
     def run(self) -> None:
         while not self.stopping.wait(self.POLL_S):
             current = self.current
             for pid, comm in self.servers().items():
                 if pid not in self.seen:
                     self.seen.add(pid)
+                    if self.excuse_engine and (comm == "dockerd" or self.under_dockerd(pid)):
+                        continue
                     if current is not None and not current[1]:
                         self.unmarked.setdefault(current[0], set()).add(comm)
 
@@ -227,33 +252,87 @@ def reliability_repository() -> Path:
     return RELIABILITY_REPOSITORY
 
 
+class EarlyImages(threading.Thread):
+    """A Docker engine (the user's, else the checkout's private dockerd: resnet18_kit/containers/engine.py)
+    and the images of docker-compose.yaml (cached by the engine: seconds when nothing changed), made in a
+    thread. A run with tests that use them starts it at once (early_images): the build, mostly downloads and
+    unpacking (150-200 s from nothing on the 2-core reference machine), runs beside the files that start no
+    server, which come first (pytest_collection_modifyitems), and the first live test waits for its end, so
+    that no latency bound is measured beside it. Under pytest-xdist, whose workers would each build, it
+    starts when a worker first uses the `engine` fixture."""
+
+    def __init__(self) -> None:
+        super().__init__(name="early-images", daemon=True)
+        self.engine = self.report = self.error = None
+        self.private = None  # the PrivateEngine this run started, stopped at the session's end
+        self.took_s = 0.0
+
+    def run(self) -> None:
+        from resnet18_kit.containers.__main__ import private_engine
+        from resnet18_kit.containers.engine import users_engine
+        from resnet18_kit.containers.image import IMAGES, ImageBuild
+        from resnet18_kit.contract import REPO_ROOT
+
+        began = time.monotonic()
+        try:
+            self.engine = users_engine()
+            if self.engine is None:
+                private = private_engine()
+                self.private = private if private.pid() is None else None
+                self.engine = private.start()
+            self.report = ImageBuild(self.engine, REPO_ROOT, names=tuple(IMAGES)).run()
+        except BaseException as exc:  # raised in the test that uses the engine or the images
+            self.error = exc
+        self.took_s = time.monotonic() - began
+
+    def result(self):
+        """(engine, BuildReport) once the thread ends; its exception is raised here."""
+        if self.ident is None:
+            self.start()
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.engine, self.report
+
+
+EARLY = EarlyImages()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early_images(request, nothing_left_behind):
+    """Starts EARLY when this run (not an xdist worker) has a test that uses the images; at the end stops
+    the private engine it started (before nothing_left_behind checks that nothing is left)."""
+    if any("images" in getattr(item, "fixturenames", ()) for item in request.session.items) and \
+            not hasattr(request.config, "workerinput"):
+        SERVER_WATCH.excuse_engine = True  # dockerd and its builds start while unmarked tests run
+        EARLY.start()
+    yield
+    if EARLY.ident is not None:
+        EARLY.join()
+        if EARLY.private is not None:
+            assert EARLY.private.stop()
+            assert EARLY.private.pid() is None and not EARLY.private.run_dir.exists()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A live test waits for the early image build (EarlyImages) to end."""
+    if EARLY.is_alive() and item.get_closest_marker("live"):
+        EARLY.join()
+
+
 @pytest.fixture(scope="session")
 def engine():
-    """A Docker engine: the user's, else the checkout's private dockerd (resnet18_kit/containers/engine.py),
-    started here and stopped at the end of the session, nothing left."""
-    from resnet18_kit.containers.__main__ import private_engine
-    from resnet18_kit.containers.engine import users_engine
-
-    users = users_engine()
-    if users is not None:
-        yield users
-        return
-    private = private_engine()
-    started_here = private.pid() is None
-    yield private.start()
-    if started_here:
-        assert private.stop()
-        assert private.pid() is None and not private.run_dir.exists()
+    """A Docker engine (EarlyImages), nothing left of it at the session's end."""
+    return EARLY.result()[0]
 
 
 @pytest.fixture(scope="session")
 def images(engine):
-    """The CPU images of docker-compose.yaml (cached by the engine: seconds when nothing changed)."""
-    from resnet18_kit.containers.image import IMAGES, ImageBuild
-    from resnet18_kit.contract import REPO_ROOT
-
-    report = ImageBuild(engine, REPO_ROOT, names=tuple(IMAGES)).run()
-    print("\n" + "\n".join(f"image build: {line}" for line in report.lines()), flush=True)
+    """The CPU images of docker-compose.yaml (EarlyImages)."""
+    report = EARLY.result()[1]
+    print(f"\nimage build: {EARLY.took_s:.1f} s with the engine's start, beside the first tests\n" +
+          "\n".join(f"image build: {line}" for line in report.lines()), flush=True)
     return report
 
 
