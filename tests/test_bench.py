@@ -242,10 +242,12 @@ def test_concurrent_executions_follow_the_rate_limiter():
     assert concurrent_executions(config(mixed)) == 2  # 2 available: the two asking for 1 fit together
 
 
+@pytest.mark.parametrize("transport", ["grpc", "http-shm"])
 def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on_both_steps(
-        triton_server, tmp_path):
-    """12 photos as BYTES requests at concurrency 2: perf_analyzer sent 12, and the statistics extension
-    counted exactly 12 inferences on the ensemble and on each step, in the batches it reports."""
+        triton_server, tmp_path, transport):
+    """12 photos as BYTES requests at concurrency 2 (over gRPC; over HTTP with the photos in system shared
+    memory): perf_analyzer sent 12, and the statistics extension counted exactly 12 inferences on the
+    ensemble and on each step, in the batches it reports."""
     import re
 
     from resnet18_kit.tools.load.photos import write_input_data
@@ -254,7 +256,7 @@ def test_short_real_perf_analyzer_run_through_the_ensemble_counts_every_image_on
 
     data = write_input_data(sample_photos(("rocket.jpg", "chelsea.png")), tmp_path / "input.json")
     load = LoadSpec("concurrency", (2,), request_count=12, input_data=data, profile_export=False)
-    row = measure_pipeline_level(triton_server, load, 2, tmp_path / "c2", "grpc")
+    row = measure_pipeline_level(triton_server, load, 2, tmp_path / "c2", transport)
     log = (tmp_path / "c2" / "perf_analyzer.log").read_text()
     assert re.search(r"Client:\s+Request count: 12\b", log), log
     assert row["throughput"] > 0 and 0 < row["p50_us"] <= row["p99_us"]

@@ -24,6 +24,7 @@ def run_command(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("command, message", [
     (["bench", "run", "--configs", "nosuch", "--quick"], "--configs: no such config of resnet18_onnx: nosuch"),
     (["bench", "run", "--quick", "--out", "docs"], "--out docs: exists already"),
+    (["bench", "run", "--pipeline-transports", "udp"], "--pipeline-transports: invalid choice: 'udp'"),
     (["bench", "lone-client", "--served-repository", "/nonexistent"], "--served-repository: no model repository"),
     (["classify", "/nonexistent/photo.jpg"], "no such file or folder: /nonexistent/photo.jpg"),
     (["serve", "--no-such-flag"], "resnet18-kit serve: error: unrecognized arguments: --no-such-flag (see resnet18-kit serve --help)"),

@@ -244,9 +244,11 @@ def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loa
     """Triton 2.51 answers an HTTP model load on an HTTP worker thread and holds the HTTP requests of that
     thread's connections until the load is done (server issues 8117, 8958; fix proposed in PR 8737, in no
     release yet). Two HTTP clients send tensors while resnet18_onnx is swapped to int8 and back, over HTTP
-    and then over gRPC (what ModelControl uses): over HTTP a request waits about as long as the load, at
-    least once (4 loads of 4 held one, 2.2-2.5 s, on an AMD EPYC with 2 cores); over gRPC none waits half of
-    it (0.15 and 0.26 s of 2.8 and 3.2)."""
+    and then over gRPC (what ModelControl uses). The server has one HTTP worker thread, so that every
+    connection shares the load's thread: with Triton's default of several, whether a client's connection
+    lands on it is chance (a fresh clone once saw 0.33 and 0.74 s held of loads of 4.2 and 5.2 s). Over
+    HTTP a request waits about as long as the load; over gRPC none waits half of it (0.15 and 0.26 s of
+    2.8 and 3.2 on an AMD EPYC with 2 cores)."""
     import threading
 
     import numpy as np
@@ -256,7 +258,8 @@ def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loa
     from resnet18_kit.server.config import ADMIN_HEADER
     from resnet18_kit.server.embedded import EmbeddedTritonServer
 
-    config = config_on_free_ports(model_repository=ensemble_repository.root, model_control="explicit", admin_key=KEY)
+    config = config_on_free_ports(model_repository=ensemble_repository.root, model_control="explicit", admin_key=KEY,
+                                  extra_args=("--http-thread-count=1",))
 
     def longest_wait(load) -> tuple[float, float]:
         """(longest HTTP request in s, the load's s) while `load()` runs."""
@@ -294,7 +297,7 @@ def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loa
         over_grpc = [longest_wait(lambda v=v: swap(control, variant_targets(ensemble_repository, v, [ONNX_MODEL])))
                      for v in variants]
     print(f"\nlongest HTTP request / load, s: over HTTP {over_http}; over gRPC {over_grpc}", flush=True)
-    assert any(wait_s >= 0.8 * took_s for wait_s, took_s in over_http), over_http
+    assert all(wait_s >= 0.8 * took_s for wait_s, took_s in over_http), over_http
     assert all(wait_s < 0.5 * took_s for wait_s, took_s in over_grpc), over_grpc
 
 

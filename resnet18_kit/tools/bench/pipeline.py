@@ -44,8 +44,10 @@ FULL_LEVELS = (1, 2, 4, 8, 16, 32)
 QUICK_LEVELS = (1, 32)
 #: gRPC with each photo in system shared memory (`transport`): the kit's same-host transport.
 SHARED_MEMORY_TRANSPORT = "grpc-shm"
+#: Every transport a sweep can use (`transport`): the protocol, "-shm" with the photos in system shared memory.
+PIPELINE_TRANSPORTS = ("grpc", "http", "grpc-shm", "http-shm")
 #: How the figures draw each transport (the in-process line is dashed).
-TRANSPORT_LINESTYLES = {"grpc": "-", "http": ":", SHARED_MEMORY_TRANSPORT: "-."}
+TRANSPORT_LINESTYLES = {"grpc": "-", "http": ":", "grpc-shm": "-.", "http-shm": (0, (5, 1, 1, 1))}
 #: The variants measured unless --pipeline-variants says otherwise: the default configs, and the int8
 #: network (configs/int8.pbtxt) when the model repository has it.
 PREFERRED_VARIANTS = (DEFAULT_VARIANT, "int8")
@@ -129,7 +131,7 @@ def transport(label: str) -> tuple[str, bool]:
 def measure_pipeline_level(server: EmbeddedTritonServer, load: LoadSpec, level: float, out_dir: Path,
                            protocol: str) -> dict:
     """One perf_analyzer run against the ensemble with the server's statistics of exactly that run.
-    protocol: a transport label (`transport`): "grpc", "http" or "grpc-shm".
+    protocol: a transport label (`transport`): one of PIPELINE_TRANSPORTS.
 
     Returns perf_analyzer's PerfRow fields (throughput = img/s, latencies in us), "steps": {model:
     statistics_delta} for the ensemble and each of STEP_MODELS (queue_us, compute_infer_us ... per

@@ -51,7 +51,7 @@ from resnet18_kit.tools.bench import inprocess
 from resnet18_kit.observe.machine import cpu_share, cpu_ticks, machine_info, processor_line
 from resnet18_kit.observe.process_cpu import ProcessCpu, per_inference_ms
 from resnet18_kit.tools.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError, run_level
-from resnet18_kit.tools.bench.pipeline import pipeline_options, print_targets, run_pipeline
+from resnet18_kit.tools.bench.pipeline import PIPELINE_TRANSPORTS, pipeline_options, print_targets, run_pipeline
 from resnet18_kit.tools.bench.pipeline import ratio_lines as pipeline_ratio_lines
 from resnet18_kit.observe.model_config import ModelConfigView, served_config
 from resnet18_kit.observe.placement import PlacementSampler, shared_pinned_cores
@@ -268,6 +268,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-variants", nargs="+", metavar="NAME",
                         help="config variants for the end-to-end part (server-wide --model-config-name; "
                              "default: default, and int8 when configs/int8.pbtxt exists)")
+    parser.add_argument("--pipeline-transports", nargs="+", choices=PIPELINE_TRANSPORTS, metavar="NAME",
+                        help="the end-to-end part's transports, of " + ", ".join(PIPELINE_TRANSPORTS) + " (-shm: each "
+                             "photo in system shared memory; default grpc, grpc-shm with --quick, and http too without)")
     parser.add_argument("--skip-tensor-sweeps", action="store_true",
                         help="run only the end-to-end part (no per-config tensor sweeps, no identity ceiling)")
     parser.add_argument("--skip-pipeline", action="store_true", help="leave the end-to-end part out")
@@ -315,6 +318,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
             repository, settings.results_dir(), args.quick, args.pipeline_variants,
             None if args.quick else args.measurement_ms), served_repository=args.served_repository,
             grpc_guard=args.grpc_guard)
+        if pipeline is not None and args.pipeline_transports:
+            pipeline = replace(pipeline, protocols=tuple(args.pipeline_transports))
     except ValueError as exc:
         print(f"resnet18-kit bench run: --pipeline-variants: {exc}", file=sys.stderr)
         return 2
