@@ -43,7 +43,7 @@ def write_bench(folder: Path, pipeline: bool = True, configs: bool = False) -> P
                         "protocols": [{"protocol": protocol, "concurrency": [
                             {**perf_row(c, 20 * c * scale, 30.0 * c), "steps": {"preprocess": step}}
                             for c in (1, 2, 4)], "best_server_cpu_ms_per_inference": {"total": 25.0}}
-                            for protocol in ("grpc", "http")]}
+                            for protocol in ("grpc", "http-shm")]}
                        for photos in ("sample", "12mp")]
             variants.append({"variant": name, "photo_sets": entries})
         summary["pipeline"] = {"photo_sets": {"sample": [{"file": "a.png", "bytes": 1}],

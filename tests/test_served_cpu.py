@@ -1,5 +1,5 @@
 """The server's CPU per inference against the in-process bar's, measured in one test (a ratio, not a time):
-`int8` tensors over gRPC with system shared memory, as `bench run` measures them. It fails when what the
+`int8` tensors over HTTP with system shared memory, as `bench run` measures them. It fails when what the
 server spends per inference around the network (gRPC, the batcher, the copies into and out of the stub, the
 stub's round trip) grows beyond the stated margin of the network's own cost in-process.
 
@@ -42,7 +42,7 @@ def test_int8_tensors_cost_the_server_little_more_cpu_than_in_process(repository
     try:
         load = LoadSpec("concurrency", (CONCURRENCY,), shared_memory="system", output_shm_bytes=RESNET18_LOGITS_BYTES,
                         request_count=max(200, int(bar.best["img_per_s"] * 4)))
-        level = measure_level(server, ONNX_MODEL, load, CONCURRENCY, tmp_path / "level", "grpc")
+        level = measure_level(server, ONNX_MODEL, load, CONCURRENCY, tmp_path / "level", "http")
     finally:
         server.stop(drain_s=0)  # measured: what it still holds no longer matters
     served = level["server_cpu_ms_per_inference"]

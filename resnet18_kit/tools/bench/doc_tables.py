@@ -9,11 +9,11 @@ One row per config variant of the tensor sweeps (summary.json "configs"):
   * of the in-process bar: that throughput / the config's in-process bar (summary "inprocess_bar_img_per_s":
     the same network file and runtime in its strongest arrangement, no server), a ratio;
   * end to end (img/s): the sample photos through the `resnet18` ensemble (decode, resize, network) over
-    gRPC, the highest img/s of the end-to-end sweep (summary "pipeline"), where that variant was run;
+    HTTP with each photo in system shared memory (pipeline.SHARED_MEMORY_TRANSPORT), the highest img/s of the end-to-end sweep (summary "pipeline"), where that variant was run;
   * CPU per inference (ms): what the server's processes spent (tritonserver, every stub, the gRPC guard
     where it runs; observe.process_cpu, read from /proc over the saturation level's window) per inference,
     against the in-process bar's CPU per image, and their ratio (`cpu_ratio`; None where a summary
-    predates the measure); end to end the same for the sample photos over gRPC (`end_to_end_cpu_ratio`).
+    predates the measure); end to end the same for the sample photos (`end_to_end_cpu_ratio`).
 The verdict line under the table names the variant with the lowest p50 at concurrency 1 and the one with
 the most infer/s. tests/test_docs.py checks each page's table against docs/figures/configs.json.
 """
@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from resnet18_kit.observe.machine import processor_line
-from resnet18_kit.tools.bench.pipeline import served_runs
+from resnet18_kit.tools.bench.pipeline import SHARED_MEMORY_TRANSPORT, served_runs
 from resnet18_kit.tools.bench.report import saturation_row
 
 #: The pages whose tables this module writes: marker name -> page (relative to the checkout); the renderer
@@ -34,7 +34,7 @@ TABLE_PAGES = {"choosing-a-config": "docs/model-repository.md", "bench-table": "
 #: The command a reader runs to measure the table again (and then `resnet18-kit figures` to rewrite it).
 MEASURE_COMMAND = "resnet18-kit bench run --quick"
 #: The photo set and protocol of the end-to-end column.
-PIPELINE_PHOTOS, PIPELINE_PROTOCOL = "sample", "grpc"
+PIPELINE_PHOTOS, PIPELINE_PROTOCOL = "sample", SHARED_MEMORY_TRANSPORT
 
 
 def config_rows(summary: dict) -> list[dict]:
@@ -122,8 +122,9 @@ def render(data: dict, uses: dict[str, str] | None = None) -> str:
     where = processor_line(data.get("machine", {}))
     lines += ["", f"Lowest latency at low load: `{fastest['variant']}` ({fastest['p50_ms']:g} ms p50). Most "
                   f"throughput: `{most['variant']}` ({most['infer_per_s']:g} infer/s). Measured on {where} with "
-                  f"`{data['command']}`: the network alone (resnet18_onnx over gRPC with system shared memory), "
-                  f"and end to end the sample photos through the `resnet18` ensemble (gRPC, best concurrency); "
+                  f"`{data['command']}`: the network alone (resnet18_onnx over HTTP with system shared memory), "
+                  f"and end to end the sample photos through the `resnet18` ensemble (HTTP, each photo in system "
+                  f"shared memory, best concurrency); "
                   f"results folder {data['results']}. `resnet18-kit figures` rewrites the figures of this table."]
     return "\n".join(lines)
 
@@ -171,7 +172,7 @@ def render_headline(data: dict) -> str:
     if end_to_end:
         best = max(end_to_end, key=lambda row: row["end_to_end_img_per_s"])
         line += (f"; photos in, labels out, `{best['variant']}` answers {best['end_to_end_img_per_s']:g} img/s "
-                 f"over gRPC")
+                 f"over HTTP with shared memory")
     return line + " ([docs/benchmarks.md](docs/benchmarks.md))."
 
 

@@ -7,8 +7,8 @@ for each photo set (resnet18_kit/tools/load/photos.py: "sample", "12mp"):
   1. the in-process twin (resnet18_kit/tools/bench/pipeline_inprocess.py: the same decode/transform code and network
      runtime, batch size and decode threads as the variant's configs) is measured: saturation img/s and
      batch-1 latency;
-  2. per transport (grpc, http; grpc-shm: gRPC with each photo in system shared memory, what a client on
-     the server's host can do: `classify --shared-memory`), a perf_analyzer concurrency sweep against
+  2. per transport (grpc, http; http-shm: HTTP with each photo in system shared memory, what a client on
+     the server's host can do: `classify --protocol http --shared-memory`), a perf_analyzer concurrency sweep against
      `resnet18`, one run per level (bench.perf_analyzer.run_level), the photos sent as real BYTES input
      data (--input-data, one image per request, cycled; over the socket as a remote client's are), the
      statistics extension read before and after each level for the ensemble and BOTH step models
@@ -42,8 +42,10 @@ from resnet18_kit.server.embedded import EmbeddedTritonServer
 STEP_MODELS = (PREPROCESS_MODEL, ONNX_MODEL)
 FULL_LEVELS = (1, 2, 4, 8, 16, 32)
 QUICK_LEVELS = (1, 32)
-#: gRPC with each photo in system shared memory (`transport`): the kit's same-host transport.
-SHARED_MEMORY_TRANSPORT = "grpc-shm"
+#: HTTP with each photo in system shared memory (`transport`): the kit's same-host transport. It costs the
+#: server less CPU per image than gRPC through serve, whose gRPC guard 2.51's HTTP does not need
+#: (docs/records/benchmarks.md, "The main job's same-host transport").
+SHARED_MEMORY_TRANSPORT = "http-shm"
 #: Every transport a sweep can use (`transport`): the protocol, "-shm" with the photos in system shared memory.
 PIPELINE_TRANSPORTS = ("grpc", "http", "grpc-shm", "http-shm")
 #: How the figures draw each transport (the in-process line is dashed).
@@ -100,8 +102,8 @@ def default_variants(repository: ModelRepository) -> tuple[str, ...]:
 
 def pipeline_options(repository: ModelRepository, photos_root: Path, quick: bool, variants: list[str] | None = None,
                      measurement_ms: int | None = None) -> PipelineOptions:
-    """--quick: gRPC and grpc-shm, concurrency 1 and 32, fixed request counts of ~2.5 s, 2 s + 1.5 s
-    in-process; full: gRPC, HTTP and grpc-shm, concurrency 1 to 32, stabilized windows, 6 s + 4 s
+    """--quick: gRPC and http-shm, concurrency 1 and 32, fixed request counts of ~2.5 s, 2 s + 1.5 s
+    in-process; full: gRPC, HTTP and http-shm, concurrency 1 to 32, stabilized windows, 6 s + 4 s
     in-process. photos_root: the
     results folder (photo sets cached under it). ValueError naming variants `repository` lacks."""
     unknown = [v for v in variants or () if v not in repository.variant_names()]
@@ -123,7 +125,7 @@ def request_count(level: int, inprocess: dict, window_s: float) -> int:
 
 
 def transport(label: str) -> tuple[str, bool]:
-    """A sweep's transport label -> (protocol, photos in system shared memory): "grpc-shm" -> ("grpc", True)."""
+    """A sweep's transport label -> (protocol, photos in system shared memory): "http-shm" -> ("http", True)."""
     protocol, _, shm = label.partition("-")
     return protocol, shm == "shm"
 

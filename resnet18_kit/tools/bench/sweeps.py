@@ -257,8 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=ONNX_MODEL, help=f"the network model swept (default {ONNX_MODEL})")
     parser.add_argument("--configs", nargs="*", metavar="NAME",
                         help="config variants to sweep (default: every CPU variant of the model)")
-    parser.add_argument("--perf-protocol", dest="sweep_protocol", choices=("grpc", "http"), default="grpc",
-                        help="perf_analyzer's protocol against the bench's own server (default grpc)")
+    parser.add_argument("--perf-protocol", dest="sweep_protocol", choices=("grpc", "http"), default="http",
+                        help="perf_analyzer's protocol against the bench's own server (default http: with "
+                             "--shared-memory system, the kit's transport for a client on the server's host)")
     parser.add_argument("--shared-memory", choices=("none", "system"), default="system",
                         help="perf_analyzer's tensor transport (default system: same host)")
     parser.add_argument("--measurement-ms", type=int,
@@ -270,7 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: default, and int8 when configs/int8.pbtxt exists)")
     parser.add_argument("--pipeline-transports", nargs="+", choices=PIPELINE_TRANSPORTS, metavar="NAME",
                         help="the end-to-end part's transports, of " + ", ".join(PIPELINE_TRANSPORTS) + " (-shm: each "
-                             "photo in system shared memory; default grpc, grpc-shm with --quick, and http too without)")
+                             "photo in system shared memory; default grpc, http-shm with --quick, and http too without)")
     parser.add_argument("--skip-tensor-sweeps", action="store_true",
                         help="run only the end-to-end part (no per-config tensor sweeps, no identity ceiling)")
     parser.add_argument("--skip-pipeline", action="store_true", help="leave the end-to-end part out")
