@@ -278,8 +278,9 @@ class EarlyImages(threading.Thread):
             self.engine = users_engine()
             if self.engine is None:
                 private = private_engine()
-                self.private = private if private.pid() is None else None
+                started_here = private.pid() is None
                 self.engine = private.start()
+                self.private = private if started_here else None
             self.report = ImageBuild(self.engine, REPO_ROOT, names=tuple(IMAGES)).run()
         except BaseException as exc:  # raised in the test that uses the engine or the images
             self.error = exc
