@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(items):
     orders the files, each kept whole (its module fixtures start once): files with neither live nor docker
     tests first, then those with live tests, then those with docker tests, so that the image build
     (EarlyImages) runs beside the first group and never beside a server's latency bound."""
-    rank: dict[str, int] = {}
+    rank: dict[Path, int] = {}
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & LIVE_FIXTURES:
@@ -50,8 +50,8 @@ def pytest_collection_modifyitems(items):
         if names & DOCKER_FIXTURES:
             item.add_marker(pytest.mark.docker)
         tier = 2 if item.get_closest_marker("docker") else 1 if item.get_closest_marker("live") else 0
-        rank[item.nodeid.split("::", 1)[0]] = max(rank.get(item.nodeid.split("::", 1)[0], 0), tier)
-    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])  # stable: the order within a group stays
+        rank[item.path] = max(rank.get(item.path, 0), tier)
+    items.sort(key=lambda item: rank[item.path])  # stable: the order within a group stays
 
 
 class ServerWatch(threading.Thread):
@@ -108,32 +108,30 @@ class ServerWatch(threading.Thread):
         return stat[stat.rindex(")") + 2:].split()
 
     @staticmethod
-    def descends_from_us(pid: int) -> bool:
-        """True when this pytest process is an ancestor of `pid` (the ppid chain in /proc/<pid>/stat)."""
-        ours = os.getpid()
+    def ancestors(pid: int):
+        """The pids above `pid`, its parent first (the ppid chain in /proc/<pid>/stat), up to init; the
+        chain ends early where a process exited while we looked."""
         while pid > 1:
             fields = ServerWatch.stat_fields(pid)
-            if fields is None:  # exited while we looked
-                return False
+            if fields is None:
+                return
             pid = int(fields[1])
-            if pid == ours:
-                return True
-        return False
+            yield pid
+
+    @staticmethod
+    def descends_from_us(pid: int) -> bool:
+        """True when this pytest process is an ancestor of `pid`."""
+        return os.getpid() in ServerWatch.ancestors(pid)
 
     @staticmethod
     def under_dockerd(pid: int) -> bool:
         """True when a dockerd is an ancestor of `pid` (a build's step)."""
-        while pid > 1:
-            fields = ServerWatch.stat_fields(pid)
-            if fields is None:
-                return False
-            pid = int(fields[1])
+        def comm(ancestor: int) -> str:
             try:
-                if Path(f"/proc/{pid}/comm").read_text().strip() == "dockerd":
-                    return True
+                return Path(f"/proc/{ancestor}/comm").read_text().strip()
             except OSError:
-                return False
-        return False
+                return ""
+        return any(comm(ancestor) == "dockerd" for ancestor in ServerWatch.ancestors(pid))
 
     def run(self) -> None:
         while not self.stopping.wait(self.POLL_S):
