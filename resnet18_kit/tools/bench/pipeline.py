@@ -67,9 +67,12 @@ TARGET_C1_GAP_MS = 5.0
 class PipelineOptions:
     """What the end-to-end run measures and for how long.
 
-    measurement_ms: perf_analyzer's window per level (stabilized windows) when request_window_s is 0;
-    request_window_s > 0 (--quick): measure a fixed request count instead, about this many seconds' worth
-    at the in-process rate (`request_count`); saturation_s / batch1_s: in-process timed seconds per
+    measurement_ms: perf_analyzer's window per level (stabilized windows, the served rate at steady state);
+    request_window_s > 0 (--quick): concurrency 1 is measured as a fixed request count instead, about this
+    many seconds' worth at the in-process rate (`request_count`). Higher levels are always measured in
+    windows: a fixed count at concurrency 32 also times the ramp up and the drain (about 0.3 s each of
+    ~2.5 s), which measured the `int8` main job at 84.7 img/s against 104.1 in windows on the same server
+    (docs/records/benchmarks.md). saturation_s / batch1_s: in-process timed seconds per
     figure; repository: the model repository served and run in-process; photos_root: the results folder
     under which generated photo sets are cached."""
 
@@ -102,8 +105,8 @@ def default_variants(repository: ModelRepository) -> tuple[str, ...]:
 
 def pipeline_options(repository: ModelRepository, photos_root: Path, quick: bool, variants: list[str] | None = None,
                      measurement_ms: int | None = None) -> PipelineOptions:
-    """--quick: gRPC and http-shm, concurrency 1 and 32, fixed request counts of ~2.5 s, 2 s + 1.5 s
-    in-process; full: gRPC, HTTP and http-shm, concurrency 1 to 32, stabilized windows, 6 s + 4 s
+    """--quick: gRPC and http-shm, concurrency 1 (a fixed request count of ~2.5 s) and 32 (1.5 s windows),
+    2 s + 1.5 s in-process; full: gRPC, HTTP and http-shm, concurrency 1 to 32, 2.5 s windows, 6 s + 4 s
     in-process. photos_root: the
     results folder (photo sets cached under it). ValueError naming variants `repository` lacks."""
     unknown = [v for v in variants or () if v not in repository.variant_names()]
@@ -113,12 +116,12 @@ def pipeline_options(repository: ModelRepository, photos_root: Path, quick: bool
                               photos_root=photos_root)
     if quick:
         options = replace(options, protocols=("grpc", SHARED_MEMORY_TRANSPORT), levels=QUICK_LEVELS,
-                          request_window_s=2.5, saturation_s=2.0, batch1_s=1.5)
+                          request_window_s=2.5, saturation_s=2.0, batch1_s=1.5, measurement_ms=1500)
     return replace(options, measurement_ms=measurement_ms or options.measurement_ms)
 
 
 def request_count(level: int, inprocess: dict, window_s: float) -> int:
-    """A fixed request count for one --quick level: window_s seconds at the in-process rate (batch-1 rate
+    """A fixed request count for one level: window_s seconds at the in-process rate (batch-1 rate
     1000 / p50 ms at concurrency 1, the saturation img/s above it), and at least 6 rounds of the level."""
     rate_per_s = 1000.0 / inprocess["batch1_p50_ms"] if level == 1 else inprocess["saturation_img_per_s"]
     return max(int(rate_per_s * window_s), 6 * level)
@@ -162,11 +165,11 @@ def sweep(server: EmbeddedTritonServer, input_data: Path, protocol: str, inproce
                     measurement_ms=options.measurement_ms)
     rows = []
     for level in options.levels:
-        if options.request_window_s:
+        if options.request_window_s and level == 1:
             load = replace(load, request_count=request_count(level, inprocess, options.request_window_s))
         else:  # ~2 windows' worth of requests when no 3 windows agree (run_level)
-            load = replace(load, fallback_request_count=request_count(level, inprocess,
-                                                                      2 * options.measurement_ms / 1000))
+            load = replace(load, request_count=0, fallback_request_count=request_count(
+                level, inprocess, 2 * options.measurement_ms / 1000))
         if progress is not None:
             progress.set_description(f"pipeline {label} {protocol} c={level}")
         rows.append(measure_pipeline_level(server, load, level, out / f"concurrency-{level}", protocol))

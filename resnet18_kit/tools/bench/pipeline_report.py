@@ -102,8 +102,9 @@ def markdown(pipeline: dict, plots: dict[str, str]) -> list[str]:
     sets = ", ".join(f"{name} ({len(files)} files, {min(f['bytes'] for f in files) / 1e3:.0f}-"
                      f"{max(f['bytes'] for f in files) / 1e3:.0f} kB)"
                      for name, files in pipeline["photo_sets"].items())
-    windows = (f"fixed request counts of ~{options['request_window_s']:g} s at the in-process rate"
-               if options["request_window_s"] else f"{options['measurement_ms']} ms measurement windows")
+    windows = f"{options['measurement_ms']} ms measurement windows (the served rate at steady state)"
+    if options["request_window_s"]:
+        windows += f", concurrency 1 a fixed request count of ~{options['request_window_s']:g} s at the in-process rate"
     out = ["## End to end: encoded photos -> `resnet18` ensemble (preprocess -> resnet18_onnx) -> logits", "",
            f"Photo sets: {sets}. perf_analyzer sends each photo as a real BYTES tensor (`--input-data`, one "
            f"image per request, cycled), no shared memory, {windows}; the server restarted per variant "

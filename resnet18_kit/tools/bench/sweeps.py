@@ -115,7 +115,9 @@ def levels_for(max_batch_size: int, max_queue_size: int, quick: bool, instances:
 
 #: --quick: concurrency 1 for every config (its latency at low load: the docs' "Choosing a config" table),
 #: the levels the targets are about (the throughput config at 2 x max_batch_size) and one saturating level
-#: per config (its served infer/s against the in-process bar); fixed request counts, no stabilization.
+#: per config (its served infer/s against the in-process bar). Concurrency 1 is a fixed request count;
+#: the saturating level is measured in stabilized windows, since a fixed count there also times the ramp
+#: up and the drain of its requests in flight (pipeline.PipelineOptions).
 QUICK_LEVELS = {"latency": (1, 32), "throughput": (1, 64), "no_batching": (1, 16), "default": (1, 32)}
 
 
@@ -175,8 +177,9 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
         stubs = {n: pid for n, pid in server.stub_processes().items() if n.startswith(model + "_")}
         with PlacementSampler(stubs, os.sched_getaffinity(server.process.pid), interval_s=0.5) as placement:
             for level in load.levels:
-                if args.quick:  # ~2.5 s of capacity, and at least 6 rounds of the concurrency
-                    load = replace(load, request_count=max(int(capacity * 2.5), 6 * int(level)))
+                # --quick, concurrency 1: ~2.5 s of capacity, and at least 6 rounds (QUICK_LEVELS).
+                quick_count = max(int(capacity * 2.5), 6 * int(level)) if args.quick and level == 1 else 0
+                load = replace(load, request_count=quick_count)
                 progress.set_description(f"{name}: concurrency {level:g}")
                 record["concurrency"].append(measure_level(server, model, load, level,
                                                            out / f"concurrency-{level:g}", args.sweep_protocol))
@@ -252,7 +255,7 @@ def run_identity(run_dir: Path, args, progress: Progress) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`bench run`'s options."""
     parser.add_argument("--quick", action="store_true",
-                        help="fewer levels, fixed request counts: about 7 minutes on 2 cores "
+                        help="fewer levels, shorter windows: about 7 minutes on 2 cores "
                              "(about 3 with --skip-pipeline)")
     parser.add_argument("--model", default=ONNX_MODEL, help=f"the network model swept (default {ONNX_MODEL})")
     parser.add_argument("--configs", nargs="*", metavar="NAME",
