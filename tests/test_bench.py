@@ -224,23 +224,6 @@ def test_12mp_photo_set_is_the_sample_photos_as_12_megapixel_jpegs_cached(tmp_pa
     assert again == paths and paths[1].is_file() and paths[0].stat().st_mtime_ns == written  # only the missing one
 
 
-def test_quick_sweep_counts_requests_at_concurrency_1_and_measures_windows_above(tmp_path, repository, monkeypatch):
-    """--quick: concurrency 1 a fixed request count (~2.5 s at the in-process batch-1 rate); concurrency 32 in
-    stabilized windows, a count only as their fallback, since a count there would time the ramp and drain."""
-    from resnet18_kit.tools.bench import pipeline
-
-    loads = {}
-    monkeypatch.setattr(pipeline, "measure_pipeline_level",
-                        lambda server, load, level, out, protocol: loads.setdefault(level, load))
-    options = pipeline.pipeline_options(repository, tmp_path, quick=True, variants=["default"])
-    inprocess = {"batch1_p50_ms": 20.0, "saturation_img_per_s": 100.0}
-    pipeline.sweep(None, tmp_path / "input.json", "http-shm", inprocess, tmp_path, options)
-    assert options.levels == (1, 32) and options.measurement_ms == 1500
-    assert loads[1].request_count == 125  # 2.5 s at the batch-1 rate, 1000 / 20 ms = 50 img/s
-    assert loads[32].request_count == 0 and loads[32].measurement_ms == 1500
-    assert loads[32].fallback_request_count == max(int(100 * 3.0), 6 * 32)  # two 1.5 s windows at 100 img/s
-
-
 def test_concurrent_executions_follow_the_rate_limiter():
     """Instances that each ask for all of a rate-limiter resource run one at a time; without one, all run."""
     from google.protobuf import text_format

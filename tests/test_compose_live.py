@@ -51,6 +51,7 @@ def new_project(engine, tag: str, **options) -> ComposeProject:
                           **options)
 
 
+@pytest.mark.deploy  # `docker compose config`: the Compose v2 plugin of the test layer, no engine
 def test_the_cpu_default_reserves_no_gpu_and_builds_every_image_it_runs_but_grafana():
     """Rendered without the GPU override (no engine needed): no device reservation; the Triton, HAProxy and
     Prometheus images are built here (deploy/docker/) on the BASE_IMAGE build argument, with torch's CPU
