@@ -107,7 +107,8 @@ def markdown(pipeline: dict, plots: dict[str, str]) -> list[str]:
         windows += f", concurrency 1 a fixed request count of ~{options['request_window_s']:g} s at the in-process rate"
     out = ["## End to end: encoded photos -> `resnet18` ensemble (preprocess -> resnet18_onnx) -> logits", "",
            f"Photo sets: {sets}. perf_analyzer sends each photo as a real BYTES tensor (`--input-data`, one "
-           f"image per request, cycled; in system shared memory over the `-shm` transports), {windows}; the server restarted per variant "
+           f"image per request, cycled; in system shared memory over the `-shm` transports), {windows}; "
+           f"the server restarted per variant "
            f"(`--model-config-name`). Per step, queue and compute (infer) are the statistics extension's "
            f"means per request, ms. In-process: the same decode/transform code and network runtime, no "
            f"server (resnet18_kit/tools/bench/pipeline_inprocess.py), measured before and after each photo set's sweeps; "
