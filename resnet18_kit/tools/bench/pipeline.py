@@ -120,11 +120,17 @@ def pipeline_options(repository: ModelRepository, photos_root: Path, quick: bool
     return replace(options, measurement_ms=measurement_ms or options.measurement_ms)
 
 
+def fixed_request_count(rate_per_s: float, window_s: float, level: float) -> int:
+    """A fixed request count (perf_analyzer --request-count): about window_s seconds of requests at
+    rate_per_s (requests/s), and at least 6 rounds of `level` requests in flight."""
+    return max(int(rate_per_s * window_s), 6 * int(level))
+
+
 def request_count(level: int, inprocess: dict, window_s: float) -> int:
     """A fixed request count for one level: window_s seconds at the in-process rate (batch-1 rate
     1000 / p50 ms at concurrency 1, the saturation img/s above it), and at least 6 rounds of the level."""
     rate_per_s = 1000.0 / inprocess["batch1_p50_ms"] if level == 1 else inprocess["saturation_img_per_s"]
-    return max(int(rate_per_s * window_s), 6 * level)
+    return fixed_request_count(rate_per_s, window_s, level)
 
 
 def transport(label: str) -> tuple[str, bool]:
