@@ -62,13 +62,23 @@ ENSEMBLE_MODEL = "resnet18"
 ALL_MODELS = (PREPROCESS_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL, ENSEMBLE_MODEL)
 
 #: Tensors. The ensemble takes encoded images (BYTES [N, 1], one file per row) and returns the network's
-#: outputs; the networks take FP32 [N, 3, 224, 224] (normalized RGB) and return FP32 [N, 1000] logits and
-#: their softmax, probabilities (each row sums to 1).
+#: outputs; the networks take pixels, UINT8 [N, 3, 224, 224] (RGB, CHW, 0-255: the image resized to 256
+#: on its shorter side and center-cropped to 224, as the preprocess model writes them), normalize them in
+#: their own graph (PIXEL_MEAN, PIXEL_STD) and return FP32 [N, 1000] logits and their softmax,
+#: probabilities (each row sums to 1).
 IMAGE_INPUT = "image"
 TENSOR_INPUT = "input"
+#: The networks' input datatype (KServe v2 name) and its numpy dtype name.
+TENSOR_DATATYPE = "UINT8"
+TENSOR_DTYPE = "uint8"
 LOGITS_OUTPUT = "logits"
 PROBABILITIES_OUTPUT = "probabilities"
 IMAGE_SHAPE = (3, 224, 224)
+#: The normalization at the head of the exported graphs: (pixel / 255 - PIXEL_MEAN) / PIXEL_STD per RGB
+#: channel, torchvision's ToTensor + Normalize with the ImageNet-1k training images' mean and std
+#: (the values the IMAGENET1K_V1 weights were trained with).
+PIXEL_MEAN = (0.485, 0.456, 0.406)
+PIXEL_STD = (0.229, 0.224, 0.225)
 NUM_CLASSES = 1000
 FP32_BYTES = 4
 #: One row of logits (or probabilities) in bytes: 1000 FP32 values.

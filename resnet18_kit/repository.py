@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, TORCHSCRIPT_MODEL
+from resnet18_kit.contract import DEFAULT_VARIANT, ENSEMBLE_MODEL, ONNX_MODEL, PREPROCESS_MODEL, TENSOR_DTYPE, TORCHSCRIPT_MODEL
 
 #: Code of the served models that in-process code runs too: module name -> its files relative to the root,
 #: the first that exists is loaded. runtimes.py: resnet18_torchscript's is a link to resnet18_onnx's, and the
@@ -109,11 +109,14 @@ class ModelRepository:
 
     def outdated_reason(self) -> str | None:
         """Why the exported files do not fit the served code (an export made before the files carried every
-        output of runtimes().OUTPUT_NAMES), or None when they do."""
+        output of runtimes().OUTPUT_NAMES, or took FP32 input), or None when they do."""
         recorded = self.provenance().get("outputs", ["logits"])
         expected = list(self.runtimes().OUTPUT_NAMES)
         if recorded != expected:
             return f"the exported files have outputs {recorded}, this code serves {expected}"
+        recorded_input = self.provenance().get("input_dtype", "float32")  # older exports: FP32 input
+        if recorded_input != TENSOR_DTYPE:
+            return f"the exported files take {recorded_input} input, this code serves {TENSOR_DTYPE} pixels"
         return None
 
     # -- config variants ------------------------------------------------------------------------------

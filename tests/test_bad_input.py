@@ -51,10 +51,10 @@ def raw_tensor_request(client, model: str, array: np.ndarray, datatype: str):
 
 
 BAD_TENSORS = [
-    ("wrong-shape", np.zeros((1, 3, 100, 100), np.float32), "FP32", "unexpected shape"),
-    ("missing-batch-dim", np.zeros((3, 224, 224), np.float32), "FP32", "unexpected shape"),
-    ("wrong-dtype", np.zeros((1, 3, 224, 224), np.float64), "FP64", "data-type"),
-    ("batch-over-max", np.zeros((17, 3, 224, 224), np.float32), "FP32", "batch-size must be <= 16"),
+    ("wrong-shape", np.zeros((1, 3, 100, 100), np.uint8), "UINT8", "unexpected shape"),
+    ("missing-batch-dim", np.zeros((3, 224, 224), np.uint8), "UINT8", "unexpected shape"),
+    ("wrong-dtype", np.zeros((1, 3, 224, 224), np.float32), "FP32", "data-type"),  # normalized FP32: refused
+    ("batch-over-max", np.zeros((17, 3, 224, 224), np.uint8), "UINT8", "batch-size must be <= 16"),
 ]
 
 

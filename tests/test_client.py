@@ -145,7 +145,7 @@ def test_queue_full_refusals_are_retried_until_all_succeed(triton_server, protoc
     """A burst of 12 at a model whose queue holds 1 request: the server refuses most of them with
     503 / UNAVAILABLE at first; with retries every request succeeds within its deadline."""
     burst = 12
-    batches = [np.full((1, 3, 224, 224), i, np.float32) for i in range(burst)]
+    batches = [np.full((1, 3, 224, 224), i, np.uint8) for i in range(burst)]
     retry = RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.2, deadline_s=20.0)
     started = time.monotonic()
     if api == "sync":
@@ -180,7 +180,7 @@ def test_queue_full_without_retry_budget_raises_the_typed_error(triton_server):
     def send(i):
         with TritonClassifierClient(url, "http", retry=retry) as c:
             try:
-                c.infer_tensor(np.zeros((1, 3, 224, 224), np.float32), model=STUB_MODEL)
+                c.infer_tensor(np.zeros((1, 3, 224, 224), np.uint8), model=STUB_MODEL)
                 return None
             except QueueFullError as exc:
                 return exc
@@ -198,7 +198,7 @@ def test_expired_deadline_raises_the_typed_error(triton_server, protocol, api):
     try:
         started = time.monotonic()
         with pytest.raises(DeadlineExceededError):
-            client.infer_tensor(np.zeros((1, 3, 224, 224), np.float32), model=STUB_MODEL, deadline_s=0.03)
+            client.infer_tensor(np.zeros((1, 3, 224, 224), np.uint8), model=STUB_MODEL, deadline_s=0.03)
         assert time.monotonic() - started < 1.0, "the deadline was not enforced"
     finally:
         client.close()

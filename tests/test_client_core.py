@@ -121,7 +121,7 @@ def queue_full(status: str = "503") -> InferenceServerException:
     return InferenceServerException(QUEUE_FULL, status=status)
 
 
-BATCH = np.zeros((1, 3, 224, 224), np.float32)
+BATCH = np.zeros((1, 3, 224, 224), np.uint8)
 
 
 # -- retries with backoff --------------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def test_classify_builds_the_request_and_parses_the_classification_strings(clock
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_infer_tensor_sends_the_batch_and_returns_the_logits(clock, protocol):
-    batch = np.random.default_rng(0).standard_normal((2, 3, 224, 224)).astype(np.float32)
+    batch = np.random.default_rng(0).integers(0, 256, (2, 3, 224, 224), dtype=np.uint8)
     core = ClientCore(protocol=protocol)
     server = FakeServer(clock, [logits_result(2), logits_result(2)])
     first = drive(core._infer_tensor(batch, "resnet18_onnx", None), server)
@@ -347,10 +347,12 @@ def test_infer_tensor_sends_the_batch_and_returns_the_logits(clock, protocol):
     assert [call.name for call in server.calls] == ["get_model_config", "infer", "infer"]  # config cached
     assert first.shape == (2, 1000) and first.dtype == np.float32 and first[1, 999] == 1999.0
     (request,), (output,) = server.infers()[0].args[1], server.infers()[0].kwargs["outputs"]
-    assert (request.name(), request.shape(), request.datatype()) == ("input", [2, 3, 224, 224], "FP32")
+    assert (request.name(), request.shape(), request.datatype()) == ("input", [2, 3, 224, 224], "UINT8")
     assert output.name() == "logits"
-    with pytest.raises(ValueError, match="FP32 \\[N, 3, 224, 224\\]"):
+    with pytest.raises(ValueError, match="UINT8 pixels \\[N, 3, 224, 224\\], got uint8 \\[2, 1, 224, 224\\]"):
         drive(core._infer_tensor(batch[:, :1], "resnet18_onnx", None), server)
+    with pytest.raises(ValueError, match="got float32 \\[2, 3, 224, 224\\]"):  # normalized FP32: not the input
+        drive(core._infer_tensor(batch.astype(np.float32), "resnet18_onnx", None), server)
 
 
 def test_priority_is_sent_when_served_and_refused_when_not(clock):

@@ -125,7 +125,7 @@ def test_up_wait_is_healthy_and_classifies_like_the_embedded_server(single, trit
     photos = [path.read_bytes() for path in sample_photos()]
     with TritonClassifierClient(triton_server.config.http_url) as embedded:
         expected = [top[0].label for top in embedded.classify(photos, top_k=1)]
-    batch = np.random.default_rng(0).standard_normal((2, 3, 224, 224), dtype=np.float32)
+    batch = np.random.default_rng(0).integers(0, 256, (2, 3, 224, 224), dtype=np.uint8)
     with TritonClassifierClient(triton_server.config.http_url) as embedded:
         expected_logits = embedded.infer_tensor(batch, model=TORCHSCRIPT_MODEL)
     config = single.server_config()

@@ -167,11 +167,11 @@ def stub_counts(config: ServerConfig) -> tuple[int, int]:
 
 
 def zeros() -> np.ndarray:
-    return np.zeros((1, 3, 224, 224), np.float32)
+    return np.zeros((1, 3, 224, 224), np.uint8)
 
 
 def stub_request(module=grpcclient):
-    request = module.InferInput("input", [1, 3, 224, 224], "FP32")
+    request = module.InferInput("input", [1, 3, 224, 224], "UINT8")
     request.set_data_from_numpy(zeros())
     return request
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torchvision
 
-from resnet18_kit.contract import TORCHSCRIPT_MODEL
+from resnet18_kit.contract import PIXEL_MEAN, PIXEL_STD, TORCHSCRIPT_MODEL
 from resnet18_kit.export import ensure_exported, export_command, export_needed
 from resnet18_kit.export import resnet18 as r18
 from resnet18_kit.repository import ModelRepository
@@ -22,7 +22,7 @@ def test_onnx_signature_has_dynamic_batch_and_named_tensors(repository):
     assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 17
     (inp,), outputs = model.graph.input, model.graph.output
     assert inp.name == "input" and [out.name for out in outputs] == ["logits", "probabilities"]
-    assert inp.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert inp.type.tensor_type.elem_type == onnx.TensorProto.UINT8  # pixels, normalized in the graph
     in_dims = [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim]
     assert isinstance(in_dims[0], str) and in_dims[1:] == [3, 224, 224]
     for out in outputs:
@@ -75,7 +75,7 @@ def test_parity_check_fails_loudly_on_a_different_model(eager_model, repository)
 
 def test_random_init_is_reproducible_from_its_seed():
     a, b = r18.random_model(7), r18.random_model(7)
-    batch = torch.from_numpy(r18.parity_batch(2))
+    batch = torch.from_numpy(r18.normalize(r18.parity_batch(2)))
     with torch.inference_mode():
         np.testing.assert_array_equal(a(batch).numpy(), b(batch).numpy())
 
@@ -92,6 +92,10 @@ def test_exports_made_before_the_probabilities_output_are_re_exported(tmp_path, 
     assert old.outdated_reason() == ("the exported files have outputs ['logits'], this code serves "
                                      "['logits', 'probabilities']")
     assert export_needed(old) is None  # not a repository of this kit's models: nothing to export into it
+    record["outputs"] = list(r18.OUTPUT_NAMES)
+    del record["input_dtype"]  # as written by an export whose files took normalized FP32
+    old.provenance_paths[0].write_text(json.dumps(record))
+    assert old.outdated_reason() == "the exported files take float32 input, this code serves uint8 pixels"
 
 
 def test_ensure_exported_exports_into_the_repository_it_is_given(tmp_path, repository, monkeypatch):
@@ -140,3 +144,22 @@ def test_the_export_records_whether_the_weights_are_meaningful_in_the_ensemble_c
     after = copy.config_path("resnet18").read_text()
     assert ModelConfigView.for_variant(copy, "resnet18").parameters["weights_meaningful"] == "true"
     assert after.replace('"true"', '"false"') == before
+
+
+def test_exported_graphs_normalize_the_pixels_as_torchvision_does(repository):
+    """Both exports take UINT8 pixels and give the eager network's logits on torchvision's normalization of
+    them (ToTensor + Normalize), which the head of each graph now does."""
+    import onnxruntime as ort
+    from torchvision.transforms import functional
+
+    model = r18.model_from_spec(repository.provenance()["weights"])
+    pixels = r18.parity_batch(2, seed=3)
+    expected_input = torch.stack([functional.normalize(torch.from_numpy(row).float() / 255, mean=list(PIXEL_MEAN),
+                                                       std=list(PIXEL_STD)) for row in pixels])
+    with torch.inference_mode():
+        expected = model(expected_input).numpy()
+        scripted = torch.jit.load(str(repository.torchscript_path)).eval()(torch.from_numpy(pixels))[0].numpy()
+    session = ort.InferenceSession(str(repository.onnx_path), providers=["CPUExecutionProvider"])
+    from_onnx = session.run(["logits"], {"input": pixels})[0]
+    for logits in (scripted, from_onnx):
+        np.testing.assert_allclose(logits, expected, rtol=r18.PARITY_RTOL, atol=r18.PARITY_ATOL)

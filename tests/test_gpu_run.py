@@ -129,7 +129,7 @@ def test_the_gpu_runner_matches_the_cpu_runner_and_keeps_no_aliases(repository):
     cpu = runtimes.load(runtimes.RuntimeSpec(repository.torchscript_path, "torchscript", threads=1))
     runner = runtimes.GpuRunner(torch.jit.load(str(repository.torchscript_path)).eval(), "cpu")
     rng = np.random.default_rng(0)
-    requests = [rng.standard_normal((1, 3, 224, 224), np.float32) for _ in range(3)]
+    requests = [rng.integers(0, 256, (1, 3, 224, 224), dtype=np.uint8) for _ in range(3)]
     staged = np.concatenate(requests, out=runner.staging(3, requests[0]))
     first = runner(staged)  # written into the staging buffer: run from there
     assert np.shares_memory(staged, runner.staging(3, requests[0]))

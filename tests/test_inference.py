@@ -70,7 +70,7 @@ def test_probabilities_output_is_the_softmax_of_the_logits(client, model):
         request = module.InferInput("image", list(images.shape), "BYTES")
         request.set_data_from_numpy(images)
     else:
-        request = module.InferInput("input", [3, 3, 224, 224], "FP32")
+        request = module.InferInput("input", [3, 3, 224, 224], "UINT8")
         request.set_data_from_numpy(parity_batch(3, seed=5))
     outputs = [module.InferRequestedOutput(name) for name in ("logits", "probabilities")]
     result = client.raw.infer(model, [request], outputs=outputs)

@@ -37,7 +37,7 @@ def pinned_under_load(server: EmbeddedTritonServer) -> dict:
     assert len(network) == 2 and len(stubs) > 3, stubs  # both configs: 2 network instances, preprocess's
     usable = frozenset(os.sched_getaffinity(server.process.pid))
     stop, answered, errors = threading.Event(), [0], []
-    batch = np.random.default_rng(0).standard_normal((4, 3, 224, 224), dtype=np.float32)
+    batch = np.random.default_rng(0).integers(0, 256, (4, 3, 224, 224), dtype=np.uint8)
     photos = [path.read_bytes() for path in sample_photos(("rocket.jpg", "coffee.png"))]
 
     def load(photo_client: bool) -> None:

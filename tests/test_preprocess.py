@@ -11,7 +11,7 @@ from PIL import Image
 
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import PREPROCESS_MODEL
-from resnet18_kit.export.resnet18 import torchvision_eval_transform
+from resnet18_kit.export.resnet18 import normalize, torchvision_eval_transform
 
 
 
@@ -40,8 +40,15 @@ SCALED_MEAN_TOLERANCE = 0.025
 SCALED_MAX_TOLERANCE = 0.35
 
 
-def assert_matches_torchvision(actual: np.ndarray, expected: np.ndarray) -> None:
-    """The full-decode tolerance above."""
+def normalized(pixels: np.ndarray) -> np.ndarray:
+    """The transform's UINT8 pixels [3, 224, 224] as the exported graphs' head normalizes them (FP32)."""
+    assert pixels.shape == (3, 224, 224) and pixels.dtype == np.uint8
+    return normalize(pixels[None])[0]
+
+
+def assert_matches_torchvision(pixels: np.ndarray, expected: np.ndarray) -> None:
+    """The full-decode tolerance above, for UINT8 pixels normalized as the networks do."""
+    actual = normalized(pixels)
     assert actual.shape == expected.shape == (3, 224, 224) and actual.dtype == np.float32
     diff = np.abs(actual - expected)
     assert diff.max() <= ONE_LEVEL, f"max |diff| {diff.max():.4f} > one 8-bit level"
@@ -113,7 +120,7 @@ def test_large_jpeg_is_decoded_scaled_within_its_tolerance(index, image_transfor
     decoded = image_transform.decode_rgb(data, min_short_side=image_transform.RESIZE_SHORT_SIDE)
     assert decoded.size == (500, 375)  # 1/8 scale: the smallest whose short side is still >= 256
     expected = reference(Image.open(io.BytesIO(data)))
-    scaled = image_transform.preprocess(data)
+    scaled = normalized(image_transform.preprocess(data))
     diff = np.abs(scaled - expected)
     assert diff.mean() <= SCALED_MEAN_TOLERANCE and diff.max() <= SCALED_MAX_TOLERANCE, (diff.mean(), diff.max())
     assert_matches_torchvision(image_transform.preprocess(data, scaled_decode=False), expected)
@@ -124,7 +131,7 @@ def test_scaled_decode_keeps_the_exif_rotation_and_only_applies_to_large_jpegs(i
     exif[0x0112] = 6  # "rotate 90 CW to display"
     data = large_jpeg(0, exif=exif)
     upright = Image.open(io.BytesIO(data)).transpose(Image.Transpose.ROTATE_270)
-    diff = np.abs(image_transform.preprocess(data) - reference(upright))
+    diff = np.abs(normalized(image_transform.preprocess(data)) - reference(upright))
     assert diff.mean() <= SCALED_MEAN_TOLERANCE
     small = encode(photo(0).convert("RGB"), "JPEG", quality=95)  # 451x300: less than 2 x 256, full decode
     assert image_transform.decode_rgb(small, min_short_side=256).size == (451, 300)
@@ -133,10 +140,10 @@ def test_scaled_decode_keeps_the_exif_rotation_and_only_applies_to_large_jpegs(i
 
 
 def test_preprocess_writes_into_the_row_it_is_given(image_transform):
-    batch = np.full((2, 3, 224, 224), np.nan, np.float32)
+    batch = np.zeros((2, 3, 224, 224), np.uint8)
     returned = image_transform.preprocess(sample_photos()[0].read_bytes(), out=batch[1])
     assert returned is batch[1] or np.shares_memory(returned, batch)
-    assert np.isnan(batch[0]).all() and np.isfinite(batch[1]).all()
+    assert not batch[0].any() and batch[1].any() and returned.dtype == np.uint8
 
 
 def png_claiming(width: int, height: int) -> bytes:

@@ -22,9 +22,9 @@ def test_model_ready_with_metadata_and_config(client, model):
     if model == "preprocess" or model == ENSEMBLE_MODEL:
         assert inputs["image"]["datatype"] == "BYTES" and inputs["image"]["shape"] == [-1, 1]
     else:
-        assert inputs["input"]["datatype"] == "FP32" and inputs["input"]["shape"] == [-1, 3, 224, 224]
+        assert inputs["input"]["datatype"] == "UINT8" and inputs["input"]["shape"] == [-1, 3, 224, 224]
     if model == "preprocess":
-        assert outputs["pixels"]["datatype"] == "FP32" and outputs["pixels"]["shape"] == [-1, 3, 224, 224]
+        assert outputs["pixels"]["datatype"] == "UINT8" and outputs["pixels"]["shape"] == [-1, 3, 224, 224]
     else:
         assert outputs["logits"]["datatype"] == "FP32" and outputs["logits"]["shape"] == [-1, 1000]
     if model != ENSEMBLE_MODEL:

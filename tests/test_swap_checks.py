@@ -39,8 +39,8 @@ def test_every_shipped_variant_fits_the_ensemble(repository, served):
     (lambda c: setattr(c, "max_batch_size", 8), "max_batch_size 8, but ensemble 'resnet18'"),
     (lambda c: setattr(c.output[0], "name", "scores"), "output 'logits', which this config lacks"),
     (lambda c: setattr(c.input[0], "name", "pixels"), "input 'input', which this config lacks"),
-    (lambda c: setattr(c.input[0], "data_type", model_config_pb2.TYPE_FP16), "TYPE_FP32 [3, 224, 224]; this config makes it TYPE_FP16"),
-    (lambda c: c.input[0].dims.__setitem__(1, 256), "this config makes it TYPE_FP32 [3, 256, 224]"),
+    (lambda c: setattr(c.input[0], "data_type", model_config_pb2.TYPE_FP16), "TYPE_UINT8 [3, 224, 224]; this config makes it TYPE_FP16"),
+    (lambda c: c.input[0].dims.__setitem__(1, 256), "this config makes it TYPE_UINT8 [3, 256, 224]"),
 ])
 def test_a_config_the_ensemble_cannot_use_is_refused_naming_why(served, change, named):
     with pytest.raises(SwapError) as raised:

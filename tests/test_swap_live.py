@@ -267,8 +267,8 @@ def test_triton_251_holds_http_requests_during_a_load_sent_over_http_so_swap_loa
 
         def send() -> None:
             with httpclient.InferenceServerClient(config.http_url) as client:
-                tensor = httpclient.InferInput("input", [1, 3, 224, 224], "FP32")
-                tensor.set_data_from_numpy(np.zeros((1, 3, 224, 224), np.float32))
+                tensor = httpclient.InferInput("input", [1, 3, 224, 224], "UINT8")
+                tensor.set_data_from_numpy(np.zeros((1, 3, 224, 224), np.uint8))
                 while not stop.is_set():
                     started = time.monotonic()
                     client.infer(ONNX_MODEL, [tensor])

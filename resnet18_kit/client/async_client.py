@@ -166,7 +166,7 @@ class AsyncTritonClassifierClient(ClientCore):
 
     async def infer_tensor(self, batch: np.ndarray, model: str = ONNX_MODEL, deadline_s: float | None = None,
                            priority: int = 0, cancel: asyncio.Event | None = None) -> np.ndarray:
-        """Run the network alone: numpy float32 [N, 3, 224, 224] (normalized RGB) -> float32 [N, 1000]
+        """Run the network alone: numpy uint8 pixels [N, 3, 224, 224] (RGB, 0-255) -> float32 [N, 1000]
         logits; arguments, errors and `cancel` as for `classify` and `TritonClassifierClient.infer_tensor`."""
         return await self._run_inference(self._infer_tensor(batch, model, deadline_s, priority, cancel))
 

@@ -26,7 +26,7 @@ from resnet18_kit.client.errors import (DeadlineExceededError, QueueFullError, R
                                         ServerUnavailableError, typed_error)
 from resnet18_kit.client.shared_memory import TensorRegions, bytes_byte_size, photo_region_bytes
 from resnet18_kit.contract import (DEFAULT_URLS, FP32_BYTES, IMAGE_INPUT, IMAGE_SHAPE, LOGITS_OUTPUT, NUM_CLASSES,
-                                   PROBABILITIES_OUTPUT, PROTOCOLS, TENSOR_INPUT, host_port)
+                                   PROBABILITIES_OUTPUT, PROTOCOLS, TENSOR_DATATYPE, TENSOR_DTYPE, TENSOR_INPUT, host_port)
 from resnet18_kit.observe.model_config import ModelConfigView, priority_levels
 
 #: Right after an inference Triton may still hold a region and refuse to unregister it ("currently in
@@ -319,10 +319,10 @@ class ClientCore:
                            for name in (PROBABILITIES_OUTPUT, LOGITS_OUTPUT)]
 
     def _tensor_request(self, batch: np.ndarray, regions: TensorRegions | None):
-        batch = np.ascontiguousarray(batch, dtype=np.float32)
-        if batch.ndim != 4 or batch.shape[1:] != IMAGE_SHAPE:
-            raise ValueError(f"batch must be FP32 [N, 3, 224, 224], got shape {batch.shape}")
-        request = self._module.InferInput(TENSOR_INPUT, list(batch.shape), "FP32")
+        batch = np.ascontiguousarray(batch)
+        if batch.dtype != TENSOR_DTYPE or batch.ndim != 4 or batch.shape[1:] != IMAGE_SHAPE:
+            raise ValueError(f"batch must be {TENSOR_DATATYPE} pixels [N, 3, 224, 224], got {batch.dtype} {list(batch.shape)}")
+        request = self._module.InferInput(TENSOR_INPUT, list(batch.shape), TENSOR_DATATYPE)
         output = self._module.InferRequestedOutput(LOGITS_OUTPUT)
         if regions is None:
             request.set_data_from_numpy(batch)
@@ -355,7 +355,7 @@ class ClientCore:
         """The model's registered regions, created (sized for its served max_batch_size) on first use."""
         if model not in self._regions:
             view = yield from self._model_config_view(model)
-            image_bytes = int(np.prod(IMAGE_SHAPE)) * FP32_BYTES
+            image_bytes = int(np.prod(IMAGE_SHAPE)) * np.dtype(TENSOR_DTYPE).itemsize
             yield from self._register(model, TensorRegions(model, view.max_batch_size * image_bytes,
                                                            view.max_batch_size * NUM_CLASSES * FP32_BYTES))
         return self._regions[model]

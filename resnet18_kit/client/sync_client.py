@@ -276,8 +276,9 @@ class TritonClassifierClient(ClientCore):
         """Run the network alone on a batch of preprocessed images.
 
         Args:
-            batch: numpy float32 [N, 3, 224, 224], RGB normalized as the preprocess model does
-                (ImageNet mean and std), N <= the model's max_batch_size.
+            batch: numpy uint8 [N, 3, 224, 224], RGB pixels 0-255 as the preprocess model writes them
+                (resized to 256, center-cropped to 224, channels first; the network normalizes them),
+                N <= the model's max_batch_size.
             model: the network's name (default "resnet18_onnx"; or "resnet18_torchscript").
             deadline_s, priority, cancel: as for classify.
 

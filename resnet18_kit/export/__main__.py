@@ -30,7 +30,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from resnet18_kit.contract import ENSEMBLE_MODEL
+from resnet18_kit.contract import ENSEMBLE_MODEL, TENSOR_DTYPE
 from resnet18_kit.client.samples import HELD_OUT_PHOTO_NAMES, sample_photos
 from typing import TYPE_CHECKING
 
@@ -107,6 +107,8 @@ def provenance(repository: ModelRepository, source: r18.WeightsSource, diffs: di
                      "python": platform.python_version()},
         "onnx_opset": r18.ONNX_OPSET,
         "outputs": list(r18.OUTPUT_NAMES),
+        # The files' input dtype (numpy name): UINT8 pixels, normalized in the graph (resnet18.ServedNetwork).
+        "input_dtype": TENSOR_DTYPE,
         "parity": {"rtol": r18.PARITY_RTOL, "atol": r18.PARITY_ATOL,
                    "max_abs_diff_vs_eager": diffs, "batch_size": len(r18.parity_batch())},
         "int8": int8,

@@ -39,7 +39,7 @@ def image_files(directory: Path) -> list[Path]:
 
 
 def calibration_batch(repository: ModelRepository, paths: list[Path]) -> np.ndarray:
-    """FP32 [2 x len(paths), 3, 224, 224]: each image through `repository`'s served transform, then
+    """UINT8 pixels [2 x len(paths), 3, 224, 224]: each image through `repository`'s served transform, then
     mirrored. Raises repository.image_transform().ImageDecodeError naming the file that does not decode."""
     transform = repository.image_transform()
     rows = []
@@ -49,7 +49,7 @@ def calibration_batch(repository: ModelRepository, paths: list[Path]) -> np.ndar
         except transform.ImageDecodeError as exc:
             raise transform.ImageDecodeError(f"{path}: {exc}") from None
     batch = np.stack(rows)
-    return np.concatenate([batch, batch[..., ::-1]]).astype(np.float32)
+    return np.ascontiguousarray(np.concatenate([batch, batch[..., ::-1]]))
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,10 @@ def agreement(reference: np.ndarray, candidate: np.ndarray) -> Agreement:
 
 
 def quantize_int8(fp32_path: Path, int8_path: Path, batch: np.ndarray) -> dict:
-    """Write the INT8 QDQ model of `fp32_path` to `int8_path`, calibrated on `batch` (FP32 [N,3,224,224]).
-    Returns the settings used (for provenance.json)."""
+    """Write the INT8 QDQ model of `fp32_path` to `int8_path`, calibrated on `batch` (UINT8 pixels
+    [N,3,224,224], the files' input). The graph's head (the cast and normalization of the pixels) and its
+    softmax stay FP32: only the network between them is quantized. Returns the settings used (for
+    provenance.json)."""
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -103,14 +105,16 @@ def quantize_int8(fp32_path: Path, int8_path: Path, batch: np.ndarray) -> dict:
                 "weights": "QInt8, per channel", "activations": "QUInt8, per tensor",
                 "calibration_method": "MinMax", "preprocess": "quant_pre_process",
                 # 8-bit probabilities would round every class under 1/256 to 0; the softmax stays FP32.
-                "not_quantized": ["Softmax"]}
+                "not_quantized": ["the input's normalization", "Softmax"]}
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         quant_pre_process(str(fp32_path), str(prepared))
-        softmax_nodes = [node.name for node in onnx.load(str(prepared)).graph.node if node.op_type == "Softmax"]
+        # torch.onnx names the network's nodes /net/...; the others are the head and the softmax.
+        outside_net = [node.name for node in onnx.load(str(prepared)).graph.node
+                       if not node.name.startswith("/net/")]
         quantize_static(str(prepared), str(int8_path), Reader(), quant_format=QuantFormat.QDQ,
                         per_channel=True, weight_type=QuantType.QInt8, activation_type=QuantType.QUInt8,
-                        calibrate_method=CalibrationMethod.MinMax, nodes_to_exclude=softmax_nodes)
+                        calibrate_method=CalibrationMethod.MinMax, nodes_to_exclude=outside_net)
     return settings
 
 
@@ -131,8 +135,8 @@ def calibration_record(paths: list[Path], source: str) -> dict:
 
 def export_int8(fp32_path: Path, int8_path: Path, calibration: list[Path], batch: np.ndarray, source: str,
                 evaluation: np.ndarray) -> dict:
-    """Quantize on `batch` (calibration_batch(calibration): FP32 [2N,3,224,224]), then compare the INT8
-    model with the FP32 one on those inputs and on `evaluation` (FP32 [M,3,224,224] inputs not used for
+    """Quantize on `batch` (calibration_batch(calibration): UINT8 [2N,3,224,224]), then compare the INT8
+    model with the FP32 one on those inputs and on `evaluation` (UINT8 [M,3,224,224] inputs not used for
     calibration). Returns the provenance record."""
     settings = quantize_int8(fp32_path, int8_path, batch)
     return {"quantization": settings, "calibration": calibration_record(calibration, source),

@@ -22,7 +22,7 @@ from resnet18_kit import contract
 
 log = logging.getLogger(__name__)
 
-INPUT_NAME = contract.TENSOR_INPUT    # FP32 [N, 3, 224, 224], normalized as in model_repository/preprocess
+INPUT_NAME = contract.TENSOR_INPUT    # UINT8 [N, 3, 224, 224] pixels, as model_repository/preprocess writes them
 #: The exported files' outputs, in this order, as the served runtimes name them: "logits" FP32 [N, 1000]
 #: (unnormalized class scores) and "probabilities" FP32 [N, 1000] (their softmax over the 1000 classes:
 #: each row >= 0, summing to 1). Triton's pytorch backend maps a TorchScript module's tuple of outputs to
@@ -109,25 +109,41 @@ def warn_random_weights(seed: int, reason: str = "") -> None:
           f"{bar}\n", file=sys.stderr, flush=True)
 
 
+#: The normalization as one multiply-add per value, shaped [1, 3, 1, 1] for an NCHW batch:
+#: (pixel / 255 - mean) / std = pixel * PIXEL_SCALE + PIXEL_OFFSET (contract.PIXEL_MEAN, PIXEL_STD).
+PIXEL_SCALE = (1.0 / (255.0 * np.array(contract.PIXEL_STD, np.float32))).reshape(1, 3, 1, 1)
+PIXEL_OFFSET = (-np.array(contract.PIXEL_MEAN, np.float32) / np.array(contract.PIXEL_STD, np.float32)).reshape(1, 3, 1, 1)
+
+
+def normalize(pixels: np.ndarray) -> np.ndarray:
+    """UINT8 pixels [N, 3, 224, 224] -> FP32 [N, 3, 224, 224], normalized as the exported graphs' head does
+    (torchvision's ToTensor + Normalize): what the eager network takes."""
+    return np.asarray(pixels, np.float32) * PIXEL_SCALE + PIXEL_OFFSET
+
+
 class ServedNetwork(torch.nn.Module):
-    """The network as exported: FP32 [N, 3, 224, 224] `input` -> (logits, probabilities), both FP32
-    [N, 1000] (OUTPUT_NAMES). The softmax is part of the exported graph, so every runtime and backend
-    serving the file (Python backend, Triton's native onnxruntime and pytorch backends) returns the same
-    probabilities. forward()'s argument is named `input`: Triton's pytorch backend maps inputs by name."""
+    """The network as exported: UINT8 [N, 3, 224, 224] `input` (the preprocess model's pixels) ->
+    (logits, probabilities), both FP32 [N, 1000] (OUTPUT_NAMES). The normalization (a cast and one
+    multiply-add, `normalize`) and the softmax are part of the exported graph, so every runtime and backend
+    serving the file (Python backend, Triton's native onnxruntime and pytorch backends) takes the same
+    4x smaller pixels and returns the same probabilities. forward()'s argument is named `input`: Triton's
+    pytorch backend maps inputs by name."""
 
     def __init__(self, net: torch.nn.Module):
         super().__init__()
         self.net = net
+        self.register_buffer("scale", torch.from_numpy(PIXEL_SCALE.copy()))
+        self.register_buffer("offset", torch.from_numpy(PIXEL_OFFSET.copy()))
 
     def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: A002
-        logits = self.net(input)
+        logits = self.net(input.float() * self.scale + self.offset)
         return logits, torch.softmax(logits, dim=1)
 
 
 def export_onnx(model: torch.nn.Module, path: Path) -> None:
     """Write ONNX (opset ONNX_OPSET) of ServedNetwork(model), with a dynamic batch axis on `input` and
     both outputs."""
-    example = torch.zeros(1, *IMAGE_SHAPE)
+    example = torch.zeros(1, *IMAGE_SHAPE, dtype=torch.uint8)
     torch.onnx.export(  # TorchScript-based exporter: no onnxscript dependency, exact op set of ResNet
         ServedNetwork(model).eval(), (example,), str(path), dynamo=False, opset_version=ONNX_OPSET,
         input_names=[INPUT_NAME], output_names=list(OUTPUT_NAMES),
@@ -138,15 +154,16 @@ def export_torchscript(model: torch.nn.Module, path: Path) -> None:
     """Write ServedNetwork(model) traced to TorchScript; ResNet-18 has no data-dependent control flow
     to lose."""
     with torch.inference_mode(False), torch.no_grad():
-        traced = torch.jit.trace(ServedNetwork(model).eval(), torch.zeros(2, *IMAGE_SHAPE))
+        traced = torch.jit.trace(ServedNetwork(model).eval(), torch.zeros(2, *IMAGE_SHAPE, dtype=torch.uint8))
     traced.save(str(path))
 
 
 def eager_logits(model: torch.nn.Module, batch: np.ndarray) -> np.ndarray:
-    """Logits FP32 [N, 1000] of eager torch `model` for FP32 [N, 3, 224, 224] `batch`: the reference every
-    export and served model is compared with."""
+    """Logits FP32 [N, 1000] of eager torch `model` for `batch` [N, 3, 224, 224]: UINT8 pixels (`normalize`d
+    first, as the exported graphs do) or FP32 already normalized (torchvision_eval_transform's output).
+    The reference every export and served model is compared with."""
     with torch.inference_mode():
-        return model(torch.from_numpy(batch)).numpy()
+        return model(torch.from_numpy(normalize(batch) if batch.dtype == np.uint8 else batch)).numpy()
 
 
 def torchvision_eval_transform():
@@ -161,8 +178,8 @@ def torchvision_eval_transform():
 
 
 def parity_batch(batch_size: int = 4, seed: int = 1234) -> np.ndarray:
-    """A fixed FP32 [batch_size, 3, 224, 224] batch of standard-normal values (normalized-image scale)."""
-    return np.random.default_rng(seed).standard_normal((batch_size, *IMAGE_SHAPE), dtype=np.float32)
+    """A fixed UINT8 [batch_size, 3, 224, 224] batch of uniform random pixels (0-255)."""
+    return np.random.default_rng(seed).integers(0, 256, (batch_size, *IMAGE_SHAPE), dtype=np.uint8)
 
 
 def check_parity(model: torch.nn.Module, onnx_path: Path, torchscript_path: Path) -> dict[str, float]:
@@ -176,7 +193,7 @@ def check_parity(model: torch.nn.Module, onnx_path: Path, torchscript_path: Path
 
     batch = parity_batch()
     with torch.inference_mode():
-        eager = model(torch.from_numpy(batch))
+        eager = model(torch.from_numpy(normalize(batch)))
         expected = (eager.numpy(), torch.softmax(eager, dim=1).numpy())
         scripted = [t.numpy() for t in torch.jit.load(str(torchscript_path)).eval()(torch.from_numpy(batch))]
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])

@@ -12,7 +12,7 @@ One probe round (`ProgressWatch.round`), over HTTP (KServe v2):
   2. unless that count grew since the last round (busy: other requests are being served), send one
      inference to each step of the ensemble, not to the ensemble itself, whose answers may come from the
      response cache without running anything: the preprocess model gets its warmup image (a serialized
-     BYTES tensor, the file the export writes), the network a zero FP32 [1, 3, 224, 224] tensor, both as
+     BYTES tensor, the file the export writes), the network zero UINT8 pixels [1, 3, 224, 224], both as
      the binary tensor data extension, with the request's `timeout` parameter so that a full queue
      refuses it rather than holding it (a cache hit counts no execution either, so step 1 sees only work
      the models did);
@@ -45,9 +45,9 @@ import urllib.request
 #: contract.PREPROCESS_MODEL and contract.ONNX_MODEL, written out so that the file stays free of the
 #: package's imports.
 PROBE_STEPS = (("preprocess", "image", "BYTES", [1, 1], "pixels"),
-               ("resnet18_onnx", "input", "FP32", [1, 3, 224, 224], "logits"))
-#: The network's probe input: zeros, FP32 [1, 3, 224, 224] (4 bytes each).
-ZERO_PIXELS = bytes(4 * 3 * 224 * 224)
+               ("resnet18_onnx", "input", "UINT8", [1, 3, 224, 224], "logits"))
+#: The network's probe input: zeros, UINT8 [1, 3, 224, 224] (1 byte each).
+ZERO_PIXELS = bytes(3 * 224 * 224)
 
 
 def executions(http_url: str, timeout_s: float) -> int | None:

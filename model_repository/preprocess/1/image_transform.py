@@ -3,13 +3,16 @@
 The transform is torchvision's classification eval preset (references/classification/presets.py,
 the one the IMAGENET1K_V1 weights were evaluated with), written out so the server needs no torchvision:
 
-    Resize(256, bilinear) -> CenterCrop(224) -> ToTensor() -> Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    Resize(256, bilinear) -> CenterCrop(224) -> [ToTensor() -> Normalize(mean, std)]
 
-Resize and crop are one Pillow resize of the region the crop keeps, which places every filter exactly
-where torchvision's resize-then-crop does, and ToTensor + Normalize are one multiply-add written into
-the caller's batch: with a full decode the result equals torchvision's within float32 rounding
-(tests/test_preprocess.py checks max |diff| <= 1e-5). A JPEG much larger than needed is decoded at a
-reduced scale by libjpeg (`decode_rgb`'s min_short_side), which differs slightly (bound in the tests).
+This module does the part before the brackets and writes the 8-bit pixels, UINT8 [3, 224, 224] (CHW),
+into the caller's batch; ToTensor + Normalize are one multiply-add at the head of the exported network
+graphs (resnet18_kit/export/resnet18.py), so the tensor handed from this step to the network is a quarter
+of the FP32 one. Resize and crop are one Pillow resize of the region the crop keeps, which places every
+filter exactly where torchvision's resize-then-crop does: with a full decode, these pixels normalized
+equal torchvision's tensor within float32 rounding (tests/test_preprocess.py checks max |diff| <= 1e-5).
+A JPEG much larger than needed is decoded at a reduced scale by libjpeg (`decode_rgb`'s min_short_side),
+which differs slightly (bound in the tests).
 """
 from __future__ import annotations
 
@@ -21,9 +24,6 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 RESIZE_SHORT_SIDE = 256
 CROP_SIZE = 224
-#: Per-channel mean and std of ImageNet-1k training images (RGB, [0, 1] scale), torchvision's values.
-IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
-IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 
 #: Pillow modes holding more than 8 bits per sample: scaled to 8 bits before the RGB conversion
 #: (Pillow's own conversion clips them at 255, which turns most 16-bit photos white).
@@ -130,30 +130,23 @@ def resize_and_crop(image: Image.Image) -> Image.Image:
     return image.resize((CROP_SIZE, CROP_SIZE), Image.BILINEAR, box=crop_box(*image.size))
 
 
-#: ToTensor + Normalize fused into one multiply-add per value: (x / 255 - mean) / std = x * SCALE + OFFSET,
-#: shaped [3, 1, 1] to broadcast over a CHW tensor.
-_SCALE = (1.0 / (255.0 * IMAGENET_STD)).reshape(3, 1, 1)
-_OFFSET = (-IMAGENET_MEAN / IMAGENET_STD).reshape(3, 1, 1)
+def to_chw(image: Image.Image, out: np.ndarray | None = None) -> np.ndarray:
+    """8-bit RGB image [H, W] -> UINT8 [3, H, W] (channels first, as the networks take them).
 
-
-def to_normalized_chw(image: Image.Image, out: np.ndarray | None = None) -> np.ndarray:
-    """8-bit RGB image [H, W] -> FP32 [3, H, W], scaled to [0, 1] then normalized with ImageNet mean/std.
-
-    out: an FP32 [3, H, W] array to write into (e.g. one row of a batch), so no intermediate copy is
+    out: a UINT8 [3, H, W] array to write into (e.g. one row of a batch), so no intermediate copy is
     made; a new array when None. Returns the array written."""
     pixels = np.asarray(image).transpose(2, 0, 1)  # uint8 CHW view, no copy
     if out is None:
-        out = np.empty(pixels.shape, np.float32)
-    np.multiply(pixels, _SCALE, out=out)
-    out += _OFFSET
+        return np.ascontiguousarray(pixels)
+    out[...] = pixels
     return out
 
 
 def preprocess(data: bytes, limits: ImageLimits = ImageLimits(), out: np.ndarray | None = None,
                scaled_decode: bool = True) -> np.ndarray:
-    """Encoded image bytes -> FP32 [3, 224, 224] network input (written into `out` when given).
+    """Encoded image bytes -> UINT8 [3, 224, 224] network input, RGB pixels (written into `out` when given).
 
     scaled_decode: decode a large JPEG at 1/2, 1/4 or 1/8 scale (see `decode_rgb`); False decodes every
     image at full size, which is torchvision's transform exactly. Raises ImageDecodeError."""
     image = decode_rgb(data, limits, min_short_side=RESIZE_SHORT_SIDE if scaled_decode else None)
-    return to_normalized_chw(resize_and_crop(image), out)
+    return to_chw(resize_and_crop(image), out)

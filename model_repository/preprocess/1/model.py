@@ -1,8 +1,8 @@
-"""Triton Python-backend model `preprocess`: encoded image bytes -> FP32 [3, 224, 224] ImageNet input.
+"""Triton Python-backend model `preprocess`: encoded image bytes -> UINT8 [3, 224, 224] pixels, the networks' input.
 
 Each request carries a batch of images (input `image`, BYTES [N, 1]); the dynamic batcher hands several
 requests to one execute() call. Images are decoded one by one (they differ in size), each written straight
-into its row of the request's output batch (FP32 [N, 3, 224, 224]), so a corrupt image
+into its row of the request's output batch (UINT8 [N, 3, 224, 224]), so a corrupt image
 fails only its own request, with INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT) and a message naming
 the problem; the other requests of the batch get their tensors.
 

@@ -1,4 +1,5 @@
-"""Triton Python-backend model for an exported ResNet-18: FP32 [N,3,224,224] -> logits and probabilities
+"""Triton Python-backend model for an exported ResNet-18: UINT8 pixels [N,3,224,224] (normalized in the
+exported graph) -> logits and probabilities
 (their softmax), both FP32 [N,1000]; the config lists which of the two it serves.
 
 Shared by `resnet18_onnx` (model.onnx or model.int8.onnx, run by ONNX Runtime or OpenVINO) and

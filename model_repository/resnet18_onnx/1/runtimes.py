@@ -1,5 +1,6 @@
-"""The network's runtimes: an exported ResNet-18 file -> a function FP32 [N,3,224,224] -> its outputs,
-logits and probabilities, both FP32 [N,1000] (OUTPUT_NAMES, in the files' order).
+"""The network's runtimes: an exported ResNet-18 file -> a function UINT8 pixels [N,3,224,224] -> its
+outputs, logits and probabilities, both FP32 [N,1000] (OUTPUT_NAMES, in the files' order). The files
+normalize the pixels in their own graph (resnet18_kit/export/resnet18.py), so no runtime here does.
 
 One place for how each runtime is loaded and configured, used by the served models (model.py beside this
 file reads a `RuntimeSpec` from its config's parameters) and by the in-process measurements (bench/), so
@@ -40,7 +41,7 @@ import numpy as np
 #: The exported files' outputs, in their order (export/resnet18.py OUTPUT_NAMES): the logits and their
 #: softmax over the 1000 classes, computed in the exported graph.
 OUTPUT_NAMES = ("logits", "probabilities")
-#: One batch FP32 [N,3,224,224] -> [logits, probabilities], each FP32 [N,1000].
+#: One batch UINT8 [N,3,224,224] -> [logits, probabilities], each FP32 [N,1000].
 Runner = Callable[[np.ndarray], list]
 RUNTIMES = ("onnxruntime", "openvino", "torchscript")
 _DEFAULT_RUNTIME = {".onnx": "onnxruntime", ".pt": "torchscript"}
@@ -177,7 +178,7 @@ class GpuRunner:
     the call waits once, for the stream. A pageable batch costs the driver a staging copy and a wait per
     copy: in the first H200 run, a served batch of 8 computed in 5.7 ms against the bar's 1.3 ms.
 
-    Call with a batch FP32 [N,3,224,224]: the outputs, FP32 [N,1000] each, as new arrays. staging(N, like) is a
+    Call with a batch UINT8 [N,3,224,224]: the outputs, FP32 [N,1000] each, as new arrays. staging(N, like) is a
     view of the pinned input buffer: a batch written there (np.concatenate(..., out=)) is not copied again.
     The buffers grow to the largest N seen and are this runner's alone: one call at a time. On device
     "cpu" the same code runs without a stream or pinned memory (tests/test_gpu_run.py checks it there)."""

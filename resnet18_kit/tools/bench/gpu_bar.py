@@ -1,7 +1,7 @@
 """The in-process bar on a GPU: the model.pt the gpu_python variant serves, run by TorchScript on the same GPU
 with no server, arranged the fastest way a user could write in one process.
 
-Each runner owns a CUDA stream, a pinned (page-locked) host batch FP32 [b,3,224,224], its copy on the GPU and
+Each runner owns a CUDA stream, a pinned (page-locked) host batch UINT8 [b,3,224,224], its copy on the GPU and
 pinned host buffers for both outputs (logits, probabilities: FP32 [b,1000]); one pass copies the batch in,
 runs the network and copies both outputs out (what the served model does per batch), then waits for its
 stream. Runners loop in Python threads, one stream each, so copies and kernels of different runners overlap.
@@ -136,7 +136,7 @@ def served_runner(runner, batch_sizes: tuple[int, ...], deadline: float, window_
                   warmup_passes: int = WARMUP_PASSES) -> list[dict]:
     """The served model's own runner (the repository's resnet18_onnx/1/runtimes.py: `load` for a GPU, or its
     `GpuRunner` on "cpu" to check the code) called as model.py calls it, on one thread with no server:
-    per-request arrays FP32 [1,3,224,224] concatenated into its staging buffer, the batch run, the outputs
+    per-request arrays UINT8 [1,3,224,224] concatenated into its staging buffer, the batch run, the outputs
     back as arrays. Per batch size: {"batch", "img_per_s", "p50_ms", "p99_ms", "passes"}; stops when
     `deadline` (time.monotonic()) is near. Beside the bar and the served figures it splits the serving
     path's cost: the runner's (copies, launches) against the server's (batching, IPC, gRPC)."""
@@ -144,7 +144,7 @@ def served_runner(runner, batch_sizes: tuple[int, ...], deadline: float, window_
     for batch_size in batch_sizes:
         if time.monotonic() + 2 * window_s + 1.0 > deadline:
             break
-        requests = [np.random.default_rng(i).standard_normal((1, 3, 224, 224), np.float32) for i in range(batch_size)]
+        requests = [np.random.default_rng(i).integers(0, 256, (1, 3, 224, 224), dtype=np.uint8) for i in range(batch_size)]
 
         def once() -> None:
             staging = getattr(runner, "staging", None)

@@ -12,7 +12,7 @@ the whole run by --budget-s: past it the server is stopped, the results written,
   export       ResNet-18 (seeded random init: speed does not depend on the weights) traced to TorchScript
   inprocess    the in-process bar on the same GPU: TorchScript, pinned memory, 1-4 CUDA streams (gpu_bar.py)
   serve        the bundle's tritonserver 2.51, --model-config-name gpu_python (KIND_GPU), on free ports
-  tensors      perf_analyzer: FP32 tensors to resnet18_torchscript, gRPC, concurrency 1 to 64
+  tensors      perf_analyzer: UINT8 pixel tensors to resnet18_torchscript, gRPC, concurrency 1 to 64
   main_job     perf_analyzer: the sample photos through the resnet18 ensemble, gRPC, concurrency 1 to 64
   stop         the server stopped, its shared memory removed
 A step that fails records why (one line, in the JSON and the log) and the run goes on; a step with nothing

@@ -261,7 +261,7 @@ def config_over_http(http_url: str, model: str) -> dict:
 
 
 def tensors(run: GpuContext, deadline: float) -> dict:
-    """perf_analyzer over gRPC with system shared memory, batch-1 FP32 requests to resnet18_torchscript,
+    """perf_analyzer over gRPC with system shared memory, batch-1 UINT8 pixel requests to resnet18_torchscript,
     at TENSOR_LEVELS: infer/s, p50/p99 and the average batch per level; the best level."""
     load = LoadSpec("concurrency", DRY_LEVELS if run.dry_run else TENSOR_LEVELS, shared_memory="system",
                     output_shm_bytes=LOGITS_BYTES, measurement_ms=2000, max_trials=4,

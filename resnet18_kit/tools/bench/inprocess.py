@@ -64,8 +64,8 @@ def load_runner(repository: ModelRepository, runtime: str, threads: int = 0):
 
 
 def _batch(batch_size: int) -> np.ndarray:
-    """Standard-normal FP32 [batch_size, 3, 224, 224], the scale of normalized images."""
-    return np.random.default_rng(batch_size).standard_normal((batch_size, 3, 224, 224), dtype=np.float32)
+    """Uniform random UINT8 pixels [batch_size, 3, 224, 224], the networks' input."""
+    return np.random.default_rng(batch_size).integers(0, 256, (batch_size, 3, 224, 224), dtype=np.uint8)
 
 
 def measure(repository: ModelRepository | None, runtime: str, batch_sizes: list[int], duration_s: float = 5.0,

@@ -3,7 +3,7 @@
 The check for Triton 2.51's lost wake-up (docs/benchmarks.md): with a bounded queue and one instance, a
 request that arrives as the instance finishes can wait 500 ms. A lone client is the worst case: each
 request is sent the moment the previous answer arrives. For `--seconds` (default 60) one gRPC client with
-system shared memory (client.sync_client.TritonClassifierClient, the product's client) sends FP32
+system shared memory (client.sync_client.TritonClassifierClient, the product's client) sends UINT8
 [1, 3, 224, 224] batches back to back to the config variant's `resnet18_onnx`; every request's latency is
 timed on the client. Beside it, before and after, the same network in-process (the variant's runtime
 spec, batch 1, bench.inprocess.measure): the figure a server cannot beat.
@@ -50,7 +50,7 @@ def latency_summary_ms(latencies_ms: np.ndarray) -> dict:
 
 
 def inprocess_batch1(repository: ModelRepository, variant: str, duration_s: float) -> dict:
-    """The variant's network in-process at batch 1 (FP32 [1, 3, 224, 224]) for duration_s seconds:
+    """The variant's network in-process at batch 1 (UINT8 [1, 3, 224, 224]) for duration_s seconds:
     {p50_ms, p99_ms (milliseconds per batch), img_per_s}."""
     loaders = repository.runtimes()
     parameters = ModelConfigView.for_variant(repository, ONNX_MODEL, variant).parameters
@@ -61,7 +61,7 @@ def inprocess_batch1(repository: ModelRepository, variant: str, duration_s: floa
 
 def served_lone_client(url: str, seconds: float) -> np.ndarray:
     """Latencies (ms) of back-to-back batch-1 tensor requests from one gRPC client for `seconds`."""
-    batch = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    batch = np.random.default_rng(0).integers(0, 256, (1, 3, 224, 224), dtype=np.uint8)
     latencies = []
     with TritonClassifierClient(url, "grpc", shared_memory=True) as client:
         client.infer_tensor(batch, model=ONNX_MODEL)  # registers the shared-memory regions, untimed

@@ -17,7 +17,7 @@ measures nothing else for these Python-backend models), per model:
                  max_batch_size 16, 32 (not below 16: the shipped warmup sends a batch of 16), preferred
                  size 8 (one size legal under both: Model Analyzer skips a config whose preferred size
                  exceeds its max_batch_size as illegal); max_queue_delay 0, 5000 us;
-                 concurrency 4, 8, 16; random FP32 tensors
+                 concurrency 4, 8, 16; random UINT8 pixel tensors
   resnet18       the ensemble as one model, its steps as configured; concurrency 4, 8, 16; the sample
                  photos as BYTES input data (resnet18-kit perf-analyzer --photos-input-data)
 --quick: the shipped config of each model at concurrency 4 only (about 30 s a model).

@@ -3,7 +3,7 @@ the same code and files, the bar a served config variant is measured against.
 
 Encoded photo bytes -> decode + transform (the preprocess model's own code,
 preprocess/1/image_transform.py of the model repository via ModelRepository.image_transform(), with the
-limits of the variant's preprocess config) -> FP32 [B, 3, 224, 224] -> the network (the file, runtime and
+limits of the variant's preprocess config) -> UINT8 [B, 3, 224, 224] -> the network (the file, runtime and
 precision of the variant's resnet18_onnx config, loaded by its own runtimes.py) -> logits FP32 [B, 1000].
 Arranged for speed, not as the server is:
   * the network: the fastest in-process arrangement of that file and runtime (bench/inprocess.py:
@@ -48,18 +48,18 @@ QUEUE_DEPTH = 2
 DECODE_THREADS_OVER_CORES = 1
 #: Seconds per arrangement and batch size of the tensor measurement that picks the network's arrangement.
 CHOOSE_S = 1.0
-#: Shape of one network input row: FP32 [3, 224, 224].
+#: Shape of one network input row: UINT8 [3, 224, 224].
 ROW_SHAPE = IMAGE_SHAPE
 #: The warm-up (every network worker's first batch) must end within this many seconds.
 WARMUP_LIMIT_S = 120.0
 
 
 class _Batch:
-    """One batch being filled by the decode threads: pixels FP32 [B, 3, 224, 224]; claimed: rows handed
+    """One batch being filled by the decode threads: pixels UINT8 [B, 3, 224, 224]; claimed: rows handed
     to a decode thread; decoded: rows written."""
 
     def __init__(self, batch_size: int):
-        self.pixels = np.empty((batch_size, *ROW_SHAPE), np.float32)
+        self.pixels = np.empty((batch_size, *ROW_SHAPE), np.uint8)
         self.claimed = 0
         self.decoded = 0
 
@@ -125,7 +125,7 @@ class PipelineTwin:
         return f"{self.decode_threads} decode threads, {self.network_bar.label()}"
 
     def decode_into(self, data: bytes, row: np.ndarray) -> None:
-        """Decode + transform one encoded image into `row` (FP32 [3, 224, 224]), as the served model does."""
+        """Decode + transform one encoded image into `row` (UINT8 [3, 224, 224]), as the served model does."""
         self._preprocess(data, self.limits, out=row)
 
     def saturation(self, photos: list[bytes], duration_s: float) -> tuple[float, int, float]:
@@ -208,7 +208,7 @@ class PipelineTwin:
                        ) -> tuple[float, float, int]:
         """(p50 ms, p99 ms, images timed) of decode + network at batch 1 per image, for about duration_s
         seconds and at least min_images images (after one untimed pass over the photos)."""
-        pixels = np.empty((1, *ROW_SHAPE), np.float32)
+        pixels = np.empty((1, *ROW_SHAPE), np.uint8)
         run = self._lone
         for data in photos:
             self.decode_into(data, pixels[0])

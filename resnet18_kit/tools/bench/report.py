@@ -169,7 +169,7 @@ def markdown(summary: dict, plots: dict[str, str]) -> str:
 
 
 def tensor_markdown(summary: dict, plots: dict[str, str]) -> list[str]:
-    """The tensor sweeps' sections (FP32 tensors to the network model, per config), as lines."""
+    """The tensor sweeps' sections (UINT8 pixel tensors to the network model, per config), as lines."""
     machine = summary["machine"]
     out = [f"## Tensor sweeps: {summary['model']} per config", "",
            f"Load: perf_analyzer {summary['perf_analyzer']['protocol']}, shared memory "

@@ -59,7 +59,7 @@ def measure_speed(repository: ModelRepository, names: list[str], batch_sizes: li
                   rounds: int, duration_s: float) -> list[dict]:
     """Rows {name, threads, batch_size, img_per_s, p50_ms, p99_ms, rounds}: medians over `rounds`
     interleaved rounds of inprocess.measure (duration_s seconds per batch size and round; latencies in
-    milliseconds per batch of FP32 [batch_size, 3, 224, 224])."""
+    milliseconds per batch of UINT8 [batch_size, 3, 224, 224])."""
     load = repository.runtimes().load
     runners = {(n, t): load(spec(repository, n, t)) for n in names for t in threads}
     samples: dict[tuple, list] = {}
@@ -77,7 +77,7 @@ def measure_speed(repository: ModelRepository, names: list[str], batch_sizes: li
 
 def measure_agreement(repository: ModelRepository, names: list[str]) -> dict[str, dict]:
     """Per candidate: Agreement (as a dict) of its logits FP32 [N, 1000] with the reference's on the sample
-    and held-out photos (and their mirror images), FP32 [N, 3, 224, 224] through the served transform."""
+    and held-out photos (and their mirror images), UINT8 [N, 3, 224, 224] through the served transform."""
     batch = calibration_batch(repository, sample_photos() + sample_photos(HELD_OUT_PHOTO_NAMES))
     load = repository.runtimes().load
     reference = load(spec(repository, REFERENCE, 0))(batch)[0]  # [logits, probabilities]: the logits

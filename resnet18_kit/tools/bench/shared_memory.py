@@ -1,7 +1,7 @@
 """What system shared memory saves over plain transfer, batch of 32 (resnet18-kit bench shared-memory).
 
 Starts the embedded tritonserver with the `throughput` variant (resnet18_onnx accepts batches of 32),
-then, in the same run and interleaved, sends the same FP32 [32, 3, 224, 224] batch (19.3 MB in, 128 kB
+then, in the same run and interleaved, sends the same UINT8 [32, 3, 224, 224] batch (4.8 MB in, 128 kB
 out) with `TritonClassifierClient(shared_memory=False)` and `(shared_memory=True)`, over HTTP and gRPC.
 Prints per call: wall time (ms, mean and p50) and the client process's CPU time (ms), and what shared
 memory changes (stdout). The server's log: <results>/bench-shared-memory-tritonserver.log. Not a test: figures depend on the machine; docs/records/benchmarks.md quotes a run.
@@ -38,7 +38,7 @@ def time_calls(client: TritonClassifierClient, batch: np.ndarray, repeats: int) 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """shared-memory's options."""
-    parser.add_argument("--batch-size", type=int, default=32, help="rows of FP32 [3, 224, 224] per call (default 32)")
+    parser.add_argument("--batch-size", type=int, default=32, help="rows of UINT8 [3, 224, 224] per call (default 32)")
     parser.add_argument("--repeats", type=int, default=10, help="calls per mode and round (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="alternations plain/shared (default 3)")
 
@@ -48,11 +48,11 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     if args.batch_size < 1 or args.repeats < 1 or args.rounds < 1:
         print("resnet18-kit bench shared-memory: --batch-size, --repeats and --rounds must be >= 1", file=sys.stderr)
         return 2
-    batch = np.random.default_rng(0).standard_normal((args.batch_size, 3, 224, 224), dtype=np.float32)
+    batch = np.random.default_rng(0).integers(0, 256, (args.batch_size, 3, 224, 224), dtype=np.uint8)
     server_log = settings.results_dir("bench-shared-memory-tritonserver.log")
     server_log.parent.mkdir(parents=True, exist_ok=True)
     config = config_on_free_ports(model_config_name="throughput", model_repository=settings.model_repository)
-    print(f"batch FP32 {list(batch.shape)}: {batch.nbytes / 1e6:.1f} MB in, "
+    print(f"batch UINT8 {list(batch.shape)}: {batch.nbytes / 1e6:.1f} MB in, "
           f"{args.batch_size * 4000 / 1e3:.0f} kB out; {args.rounds} rounds x {args.repeats} calls per mode")
     log.info("starting tritonserver with the throughput variant (log: %s)", shown(server_log))
     with EmbeddedTritonServer(config, log_path=server_log):

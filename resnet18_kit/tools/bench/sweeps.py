@@ -145,7 +145,7 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
     log.info("%s: tritonserver ready in %.1f s (log: %s)", name, ready_s, shown(out / "tritonserver.log"))
     try:
         with TritonClassifierClient(server_config.http_url, "http") as client:
-            probe = np.zeros((1, 3, 224, 224), np.float32)
+            probe = np.zeros((1, 3, 224, 224), np.uint8)
             started = time.perf_counter()
             client.infer_tensor(probe, model=model)
             first_ms = (time.perf_counter() - started) * 1e3

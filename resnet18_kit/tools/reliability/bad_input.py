@@ -108,12 +108,12 @@ def bad_tensors() -> list[BadTensor]:
     images = np.array([[b"x"]] * 17, dtype=np.object_)
     return [
         BadTensor("wrong-dtype", ONNX_MODEL, "input", np.zeros((1, 3, 224, 224), np.float64), "FP64", "data-type"),
-        BadTensor("wrong-shape", ONNX_MODEL, "input", np.zeros((1, 3, 100, 100), np.float32), "FP32", "unexpected shape"),
-        BadTensor("too-many-elements", ONNX_MODEL, "input", np.zeros((2, 3, 224, 224), np.float32), "FP32",
+        BadTensor("wrong-shape", ONNX_MODEL, "input", np.zeros((1, 3, 100, 100), np.uint8), "UINT8", "unexpected shape"),
+        BadTensor("too-many-elements", ONNX_MODEL, "input", np.zeros((2, 3, 224, 224), np.uint8), "UINT8",
                   "byte size mismatch", shape=(1, 3, 224, 224)),
         BadTensor("batch-over-max", ENSEMBLE_MODEL, "image", images, "BYTES", "batch-size must be <= 16"),
         BadTensor("image-as-fp32", ENSEMBLE_MODEL, "image", np.zeros((1, 1), np.float32), "FP32", "data-type"),
-        BadTensor("unknown-input-name", ONNX_MODEL, "inputt", np.zeros((1, 3, 224, 224), np.float32), "FP32",
+        BadTensor("unknown-input-name", ONNX_MODEL, "inputt", np.zeros((1, 3, 224, 224), np.uint8), "UINT8",
                   "unexpected inference input"),
     ]
 

@@ -53,10 +53,10 @@ class TensorLoad:
 
 
 def onnx_load(count: int = 8, seed: int = 0) -> TensorLoad:
-    """`count` distinct random images for resnet18_onnx (FP32 [1, 3, 224, 224] each); no reference yet."""
+    """`count` distinct random images for resnet18_onnx (UINT8 pixels [1, 3, 224, 224] each); no reference yet."""
     rng = np.random.default_rng(seed)
-    return TensorLoad(ONNX_MODEL, "input", "logits", "FP32",
-                      [rng.standard_normal((1, 3, 224, 224), dtype=np.float32) for _ in range(count)])
+    return TensorLoad(ONNX_MODEL, "input", "logits", "UINT8",
+                      [rng.integers(0, 256, (1, 3, 224, 224), dtype=np.uint8) for _ in range(count)])
 
 
 def ensemble_load(count: int = 5) -> TensorLoad:

@@ -1,4 +1,4 @@
-"""Test stub with ResNet-18's signature: logits[i] = the first 1000 input values of batch element i,
+"""Test stub with ResNet-18's signature: logits[i] = the first 1000 input values of batch element i (as FP32),
 after sleeping `execute_delay_ms` per execution (a stand-in for a slow network)."""
 import json
 import time
@@ -17,6 +17,6 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             pixels = pb_utils.get_input_tensor_by_name(request, "input").as_numpy()
-            logits = np.ascontiguousarray(pixels.reshape(len(pixels), -1)[:, :1000])
+            logits = np.ascontiguousarray(pixels.reshape(len(pixels), -1)[:, :1000], dtype=np.float32)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("logits", logits)]))
         return responses
