@@ -61,7 +61,7 @@ class ServerConfig:
     stub_python: Path | None = None
     #: On SIGTERM: seconds for open HTTP connections and in-flight requests (docs/reliability.md "Stopping").
     exit_timeout_s: int = 30
-    #: Each stub's first shared-memory region: a batch of 16 FP32 images (9.6 MB) and its logits fit in it.
+    #: Each stub's first shared-memory region: a batch of 16 images (2.4 MB of UINT8 pixels) and its logits fit in it.
     python_shm_default_bytes: int = 16 * MiB
     python_shm_growth_bytes: int = 16 * MiB
     log_verbose: int = 0
