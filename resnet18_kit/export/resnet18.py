@@ -174,7 +174,7 @@ def torchvision_eval_transform():
 
     return transforms.Compose([
         transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
-        transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+        transforms.Normalize(mean=list(contract.PIXEL_MEAN), std=list(contract.PIXEL_STD))])
 
 
 def parity_batch(batch_size: int = 4, seed: int = 1234) -> np.ndarray:
