@@ -126,6 +126,15 @@ def fixed_request_count(rate_per_s: float, window_s: float, level: float) -> int
     return max(int(rate_per_s * window_s), 6 * int(level))
 
 
+def level_counts(level: float, count_at_1: int, fallback: int) -> dict:
+    """How one level is measured, as LoadSpec fields: exactly `count_at_1` requests at concurrency 1 (no
+    ramp or drain to time there; 0 = windows there too), stabilized windows above it, with `fallback`
+    requests as the windows' fallback (perf_analyzer.run_level). One rule for every sweep of `bench`."""
+    if level == 1 and count_at_1:
+        return {"request_count": count_at_1}
+    return {"request_count": 0, "fallback_request_count": fallback}
+
+
 def request_count(level: int, inprocess: dict, window_s: float) -> int:
     """A fixed request count for one level: window_s seconds at the in-process rate (batch-1 rate
     1000 / p50 ms at concurrency 1, the saturation img/s above it), and at least 6 rounds of the level."""
@@ -171,11 +180,9 @@ def sweep(server: EmbeddedTritonServer, input_data: Path, protocol: str, inproce
                     measurement_ms=options.measurement_ms)
     rows = []
     for level in options.levels:
-        if options.request_window_s and level == 1:
-            load = replace(load, request_count=request_count(level, inprocess, options.request_window_s))
-        else:  # ~2 windows' worth of requests when no 3 windows agree (run_level)
-            load = replace(load, request_count=0, fallback_request_count=request_count(
-                level, inprocess, 2 * options.measurement_ms / 1000))
+        count_at_1 = request_count(1, inprocess, options.request_window_s) if options.request_window_s else 0
+        fallback = request_count(level, inprocess, 2 * options.measurement_ms / 1000)  # ~2 windows' worth
+        load = replace(load, **level_counts(level, count_at_1, fallback))
         if progress is not None:
             progress.set_description(f"pipeline {label} {protocol} c={level}")
         rows.append(measure_pipeline_level(server, load, level, out / f"concurrency-{level}", protocol))

@@ -51,7 +51,7 @@ from resnet18_kit.tools.bench import inprocess
 from resnet18_kit.observe.machine import cpu_share, cpu_ticks, machine_info, processor_line
 from resnet18_kit.observe.process_cpu import ProcessCpu, per_inference_ms
 from resnet18_kit.tools.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError, run_level
-from resnet18_kit.tools.bench.pipeline import (PIPELINE_TRANSPORTS, fixed_request_count, pipeline_options,
+from resnet18_kit.tools.bench.pipeline import (PIPELINE_TRANSPORTS, fixed_request_count, level_counts, pipeline_options,
                                               print_targets, run_pipeline)
 from resnet18_kit.tools.bench.pipeline import ratio_lines as pipeline_ratio_lines
 from resnet18_kit.observe.model_config import ModelConfigView, served_config
@@ -179,8 +179,8 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
         with PlacementSampler(stubs, os.sched_getaffinity(server.process.pid), interval_s=0.5) as placement:
             for level in load.levels:
                 # --quick, concurrency 1: ~2.5 s of capacity, and at least 6 rounds (QUICK_LEVELS).
-                quick_count = fixed_request_count(capacity, 2.5, level) if args.quick and level == 1 else 0
-                load = replace(load, request_count=quick_count)
+                count_at_1 = fixed_request_count(capacity, 2.5, 1) if args.quick else 0
+                load = replace(load, **level_counts(level, count_at_1, fallback))
                 progress.set_description(f"{name}: concurrency {level:g}")
                 record["concurrency"].append(measure_level(server, model, load, level,
                                                            out / f"concurrency-{level:g}", args.sweep_protocol))
