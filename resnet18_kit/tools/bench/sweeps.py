@@ -51,8 +51,8 @@ from resnet18_kit.tools.bench import inprocess
 from resnet18_kit.observe.machine import cpu_share, cpu_ticks, machine_info, processor_line
 from resnet18_kit.observe.process_cpu import ProcessCpu, per_inference_ms
 from resnet18_kit.tools.load.perf_analyzer import RESNET18_LOGITS_BYTES, LoadSpec, PerfAnalyzerError, run_level
-from resnet18_kit.tools.bench.pipeline import (PIPELINE_TRANSPORTS, fixed_request_count, level_counts, pipeline_options,
-                                              print_targets, run_pipeline)
+from resnet18_kit.tools.bench.pipeline import (PIPELINE_TRANSPORTS, fixed_request_count, level_counts,
+                                              pipeline_options, print_targets, run_pipeline)
 from resnet18_kit.tools.bench.pipeline import ratio_lines as pipeline_ratio_lines
 from resnet18_kit.observe.model_config import ModelConfigView, served_config
 from resnet18_kit.observe.placement import PlacementSampler, shared_pinned_cores
