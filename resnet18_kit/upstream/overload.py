@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from resnet18_kit.contract import DEFAULT_VARIANT
-from resnet18_kit.observe.metrics import model_counters
+from resnet18_kit.observe.metrics import counters_by_model
 from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.repository import ModelRepository
 
@@ -45,8 +45,8 @@ def queue_limits(repositories: tuple[Path, ...], config_name: str | None = None)
 def queue_fill(metrics_url: str, sizes: dict[str, int], timeout_s: float = 2.0) -> dict[str, float]:
     """{model: pending requests / max_queue_size} now (0.0 .. 1.0). Raises OSError when the metrics
     endpoint cannot be reached."""
-    return {model: model_counters(metrics_url, model, timeout_s).get(PENDING_GAUGE, 0.0) / size
-            for model, size in sizes.items()}
+    counters = counters_by_model(metrics_url, timeout_s)  # one read for every model
+    return {model: counters.get(model, {}).get(PENDING_GAUGE, 0.0) / size for model, size in sizes.items()}
 
 
 @dataclass
