@@ -18,7 +18,9 @@ Arranged for speed, not as the server is:
 Two figures, over the same photo bytes cycled in order:
   * saturation throughput (img/s): after each runner's first batch (warm-up), img/s = B x (n - 1) /
     (t_n - t_1), with t_1 .. t_n the completion times of the n >= 3 batches completed in the timed window:
-    the steady rate between completions;
+    the steady rate between completions; and the CPU per image over the same span, (c_n - c_1) /
+    (B x (n - 1)), with c_i this process's CPU time at completion i (over the whole window it would also
+    count the batches still being decoded and run at its end, not counted as images: 12-15 % more);
   * batch-1 latency (ms): per image, decode it and run the network on a batch of 1, one after the other
     on one thread, with the network loaded as the served config loads it (its intra-op threads): what a
     lone request costs without a server; p50 and p99 over the timed images.
@@ -77,7 +79,8 @@ class InProcessPipelineResult:
     batch1_p50_ms: float
     batch1_p99_ms: float
     batch1_images: int
-    #: This process's CPU time (every thread) per image over the timed saturation window, milliseconds.
+    #: This process's CPU time (every thread) per image between the first and the last timed completion
+    #: (the span the throughput is measured over), milliseconds.
     saturation_cpu_ms_per_image: float = float("nan")
 
 
@@ -130,7 +133,7 @@ class PipelineTwin:
 
     def saturation(self, photos: list[bytes], duration_s: float) -> tuple[float, int, float]:
         """Images/s of the pipelined decode -> network at saturation, the batches timed (module docstring),
-        and this process's CPU ms per image over the timed window (decode and network threads together).
+        and this process's CPU ms per image between the first and the last timed completion (all threads).
         Warm-up until every network worker ran one batch, then about duration_s seconds, and on until at
         least 3 batches completed in the timed window."""
         batches: queue.Queue = queue.Queue(maxsize=max(QUEUE_DEPTH, self.network_workers))
@@ -138,7 +141,7 @@ class PipelineTwin:
         order = itertools.cycle(range(len(photos)))
         filling = [_Batch(self.batch_size)]
         finished = [0]  # batches the network completed, warm-up included
-        completions: list[float] = []  # perf_counter() at each completion in the timed window
+        completions: list[tuple[float, float]] = []  # (perf_counter(), process CPU ms) at each timed completion
         errors: list[BaseException] = []
 
         def decode() -> None:
@@ -169,7 +172,7 @@ class PipelineTwin:
                 with lock:
                     finished[0] += 1
                     if warm.is_set():
-                        completions.append(time.perf_counter())
+                        completions.append((time.perf_counter(), process_cpu_ms()))
 
         def guarded(target, *args) -> None:
             try:
@@ -189,20 +192,18 @@ class PipelineTwin:
                     raise TimeoutError(f"in-process pipeline: no batch through the network in {WARMUP_LIMIT_S:g} s")
                 time.sleep(0.01)
             warm.set()
-            cpu_ms = process_cpu_ms()
             ends = time.perf_counter() + duration_s
             while not stop.is_set() and (time.perf_counter() < ends or len(completions) < 3):
                 time.sleep(0.01)
-            cpu_ms, images = process_cpu_ms() - cpu_ms, self.batch_size * len(completions)
         finally:
             stop.set()
             for worker in workers:
                 worker.join()
         if errors:
             raise errors[0]
-        times = np.array(completions)
-        return (float(self.batch_size * (len(times) - 1) / (times[-1] - times[0])), len(times),
-                cpu_ms / max(1, images))
+        (first_s, first_cpu_ms), (last_s, last_cpu_ms) = completions[0], completions[-1]
+        images = self.batch_size * (len(completions) - 1)  # completed between the first and the last
+        return images / (last_s - first_s), len(completions), (last_cpu_ms - first_cpu_ms) / images
 
     def batch1_latency(self, photos: list[bytes], duration_s: float, min_images: int = 20
                        ) -> tuple[float, float, int]:
