@@ -160,3 +160,40 @@ def test_quick_sweep_counts_requests_at_concurrency_1_and_measures_windows_above
     assert loads[1].request_count == 125  # 2.5 s at the batch-1 rate, 1000 / 20 ms = 50 img/s
     assert loads[32].request_count == 0 and loads[32].measurement_ms == 1500
     assert loads[32].fallback_request_count == max(int(100 * 3.0), 6 * 32)  # two 1.5 s windows at 100 img/s
+
+
+def test_each_saturating_level_is_compared_with_the_in_process_bar_measured_right_around_it(tmp_path, repository,
+                                                                                          monkeypatch):
+    """The machine's speed drifts within a minute, so a served level is compared with the twin's saturation
+    measured right before and right after it (their mean), not with the photo set's figures from a sweep
+    away; concurrency 1 is not bracketed (its figure is latency)."""
+    from resnet18_kit.tools.bench import pipeline
+
+    calls = []
+    bars = iter([(100.0, 9, 20.0), (80.0, 9, 24.0)])  # before, after the saturating level
+
+    def saturation():
+        calls.append("bar")
+        return next(bars)
+
+    def level(server, load, level, out, protocol):
+        calls.append(f"c={level}")
+        return {"level": level, "throughput": 45.0 * level / 16, "p50_us": 1e4,
+                "server_cpu_ms_per_inference": {"total": 23.1, "by_process": {"tritonserver": 1.1, "stubs": 22.0}}}
+
+    monkeypatch.setattr(pipeline, "measure_pipeline_level", level)
+    options = pipeline.pipeline_options(repository, tmp_path, quick=True, variants=["default"])
+    set_figures = {"batch1_p50_ms": 20.0, "saturation_img_per_s": 200.0, "saturation_cpu_ms_per_image": 10.0}
+    rows = pipeline.sweep(None, tmp_path / "input.json", "http-shm", set_figures, tmp_path, options,
+                          saturation=saturation)
+    assert calls == ["c=1", "bar", "c=32", "bar"]
+    assert "inprocess_paired" not in rows[0]
+    assert rows[1]["inprocess_paired"]["saturation_img_per_s"] == 90.0
+    summary = pipeline.summarize_protocol(rows, set_figures)
+    assert summary["bar"] == {"saturation_img_per_s": 90.0, "saturation_cpu_ms_per_image": 22.0, "paired": True}
+    assert summary["efficiency"] == 1.0  # 90 / 90, not 90 / 200 against the set's figures
+    entry = {"photos": "sample", "inprocess": set_figures}
+    line = pipeline.ratio_lines({"variants": [{"variant": "int8", "inprocess_twin": {"network_label": "x"},
+                                               "photo_sets": [{**entry, "protocols": [{"protocol": "http-shm",
+                                                                                       **summary}]}]}]})[0]
+    assert "(90.0 / 90.0 img/s" in line and "23.10 ms" in line and "22.00 ms = 1.05x" in line, line

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from resnet18_kit.observe.machine import processor_line
-from resnet18_kit.tools.bench.pipeline import SHARED_MEMORY_TRANSPORT, served_runs
+from resnet18_kit.tools.bench.pipeline import SHARED_MEMORY_TRANSPORT, run_bar, served_runs
 from resnet18_kit.tools.bench.report import saturation_row
 
 #: The pages whose tables this module writes: marker name -> page (relative to the checkout); the renderer
@@ -75,14 +75,14 @@ def _ratio(served: float | None, inprocess: float | None) -> float | None:
 
 def _pipeline_img_per_s(pipeline: dict) -> dict[str, tuple[float, float | None, float | None]]:
     """variant -> (the highest img/s of the end-to-end sweep for the sample photos over gRPC, the same
-    pipeline's in-process saturation img/s, the mean of before and after the sweep, and the server's CPU
-    per image at that level over the in-process pipeline's, None where not measured)."""
+    pipeline's in-process saturation img/s measured around that level (pipeline.run_bar), and the server's
+    CPU per image at that level over the in-process pipeline's, None where not measured)."""
     best: dict[str, tuple[float, float | None, float | None]] = {}
     for variant, entry, run in served_runs(pipeline, PIPELINE_PHOTOS) if pipeline else ():
         name = variant["variant"]
         served = max((row["throughput"] for row in run["concurrency"]), default=0.0)
         if run["protocol"] == PIPELINE_PROTOCOL and served > best.get(name, (0.0, None, None))[0]:
-            inprocess = entry.get("inprocess") or {}
+            inprocess = run_bar(entry, run)
             img_per_s = inprocess.get("saturation_img_per_s")
             served_cpu = (run.get("best_server_cpu_ms_per_inference") or {}).get("total")
             best[name] = (round(served, 1), round(img_per_s, 1) if img_per_s else None,

@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from resnet18_kit.tools.bench.pipeline import STEP_MODELS, TRANSPORT_LINESTYLES, served_runs  # noqa: E402
+from resnet18_kit.tools.bench.pipeline import STEP_MODELS, TRANSPORT_LINESTYLES, run_bar, served_runs  # noqa: E402
 
 #: Per step, the two figures of the stacked bar and the tables: statistics_delta keys, per request, us.
 STEP_PARTS = (("queue_us", "queue"), ("compute_infer_us", "compute"))
@@ -111,22 +111,25 @@ def markdown(pipeline: dict, plots: dict[str, str]) -> list[str]:
            f"the server restarted per variant "
            f"(`--model-config-name`). Per step, queue and compute (infer) are the statistics extension's "
            f"means per request, ms. In-process: the same decode/transform code and network runtime, no "
-           f"server (resnet18_kit/tools/bench/pipeline_inprocess.py), measured before and after each photo set's sweeps; "
-           f"efficiency = best served img/s / in-process saturation img/s (mean of before and after); "
+           f"server (resnet18_kit/tools/bench/pipeline_inprocess.py), measured before and after each photo set's sweeps "
+           f"(batch-1 latency) and right before and after each saturating level (saturation: the machine's speed "
+           f"drifts); efficiency = best served img/s / the in-process saturation img/s around that level; "
            f"c=1 gap = served p50 at concurrency 1 - in-process batch-1 p50. Took {pipeline['elapsed_s']:.0f} s.",
            "", "### End-to-end targets", ""] + targets_table(pipeline["targets"])
     out += ["", "### Served against in-process", "",
-            "| variant | photos | protocol | best img/s (c) | in-process img/s (before / after) | efficiency | "
+            "| variant | photos | protocol | best img/s (c) | in-process img/s around it (before / after) | efficiency | "
             "c=1 p50 ms | in-process batch-1 p50 ms | c=1 gap ms |", "|---|---|---|---|---|---|---|---|---|"]
     for variant, entry, run in served_runs(pipeline):
         inproc = entry["inprocess"]
+        best = next(r for r in run["concurrency"] if r["level"] == run["best_level"])
+        before, after = ((best["inprocess_paired"]["before"], best["inprocess_paired"]["after"])
+                         if "inprocess_paired" in best else (entry["inprocess_before"], entry["inprocess_after"]))
         gap = "-" if run["c1_gap_ms"] is None else f"{run['c1_gap_ms']:+.1f}"
         c1 = "-" if run["c1_p50_ms"] is None else f"{run['c1_p50_ms']:.1f}"
         out.append(f"| {variant['variant']} | {entry['photos']} | {run['protocol']} | {run['best_img_per_s']:.1f} "
-                   f"(c={run['best_level']:g}) | {inproc['saturation_img_per_s']:.1f} "
-                   f"({entry['inprocess_before']['saturation_img_per_s']:.1f} / "
-                   f"{entry['inprocess_after']['saturation_img_per_s']:.1f}) | {run['efficiency']:.2f} | {c1} | "
-                   f"{inproc['batch1_p50_ms']:.1f} | {gap} |")
+                   f"(c={run['best_level']:g}) | {run_bar(entry, run)['saturation_img_per_s']:.1f} "
+                   f"({before['saturation_img_per_s']:.1f} / {after['saturation_img_per_s']:.1f}) | "
+                   f"{run['efficiency']:.2f} | {c1} | {inproc['batch1_p50_ms']:.1f} | {gap} |")
     out += ["", f"![img/s vs concurrency]({plots['throughput']})", "",
             f"![per-step queue and compute]({plots['steps']})", "", "### Concurrency sweeps", "",
             "| variant | photos | protocol | concurrency | img/s | p50 ms | p99 ms | preprocess queue | "
