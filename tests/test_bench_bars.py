@@ -75,6 +75,7 @@ def test_inprocess_bar_keeps_the_fastest_arrangement_and_batch():
         runtime: str
         threads: int = 1
         precision: str = "f32"
+        batched_threads: int | None = None
 
     bar = strongest(_FakeLoaders, Spec(Path("model.int8.onnx"), "openvino"), [4, 16], duration_s=0.3)
     # expected: streams at batch 16, 3 x 16 images per 30 ms = 1600 img/s (all cores: 400; per core: 200)
@@ -98,7 +99,7 @@ def test_bench_states_each_configs_ratio_in_one_line_with_its_placement(reposito
         view = ModelConfigView.for_variant(repository, ONNX_MODEL, variant)
         spec = loaders.RuntimeSpec.from_parameters(view.parameters, repository.onnx_path.parent)
         phrases[variant] = placement_phrase(view, spec, {"resnet18_onnx_0_0": frozenset(), "resnet18_onnx_0_1": frozenset()}, 2)
-    assert phrases["int8"] == "2 x 2 threads (openvino), unpinned"
+    assert phrases["int8"] == "2 x 2 threads (openvino, 1 for a batch of several), unpinned"
     assert phrases["default"] == "2 x 2 threads (onnxruntime), 1 at a time (rate limiter), unpinned"
     pinned = {"resnet18_onnx_0_0": frozenset({0}), "resnet18_onnx_0_1": frozenset({0})}
     assert placement_phrase(view, spec, pinned, 2).endswith("pinned: resnet18_onnx_0_0 -> core 0; resnet18_onnx_0_1 -> core 0")
@@ -197,3 +198,24 @@ def test_each_saturating_level_is_compared_with_the_in_process_bar_measured_righ
                                                "photo_sets": [{**entry, "protocols": [{"protocol": "http-shm",
                                                                                        **summary}]}]}]})[0]
     assert "(90.0 / 90.0 img/s" in line and "23.10 ms" in line and "22.00 ms = 1.05x" in line, line
+
+
+def test_a_tensor_level_is_measured_between_two_in_process_measurements_of_the_bar():
+    """inprocess.paired: bar, served level, bar, in that order; the level's row carries their means."""
+    from resnet18_kit.tools.bench.inprocess import InProcessResult, paired
+
+    calls = []
+    results = iter([InProcessResult("bar", 16, 200.0, 70.0, 70.0, 9, 80.0, 9.0),
+                    InProcessResult("bar", 16, 150.0, 90.0, 90.0, 9, 99.0, 11.0)])
+
+    def remeasure():
+        calls.append("bar")
+        return next(results)
+
+    def measure():
+        calls.append("level")
+        return {"level": 64, "throughput": 160.0}
+
+    row = paired(remeasure, measure)
+    assert calls == ["bar", "level", "bar"]
+    assert row["inprocess_paired"] == {"img_per_s": 175.0, "cpu_ms_per_image": 10.0, "before_after": [200.0, 150.0]}

@@ -10,6 +10,8 @@ import pytest
 from resnet18_kit.client import samples
 from resnet18_kit.client.samples import SAMPLE_PHOTO_NAMES, sample_photos
 from resnet18_kit import cli
+from resnet18_kit.contract import ONNX_MODEL
+from resnet18_kit.observe.model_config import ModelConfigView
 from resnet18_kit.export import resnet18 as r18
 from resnet18_kit.export.quantize import agreement, calibration_batch
 
@@ -93,6 +95,25 @@ def test_runtime_spec_from_config_parameters(repository, runtimes):
         runtimes.RuntimeSpec.from_parameters({"model_filename": "model.onnx", "runtime": "tensorrt"}, ".")
     with pytest.raises(ValueError, match="unknown precision"):
         runtimes.RuntimeSpec.from_parameters({"model_filename": "model.onnx", "precision": "fp8"}, ".")
+    with pytest.raises(ValueError, match="intra_op_threads_batched is read by the openvino runtime only"):
+        runtimes.RuntimeSpec.from_parameters({"model_filename": "model.onnx", "intra_op_threads_batched": "1"}, ".")
+
+
+def test_the_int8_config_runs_a_lone_image_on_every_core_and_a_batch_on_one_thread(repository, runtimes):
+    """configs/int8.pbtxt: a batch of one on both threads, a larger batch on one (runtimes._openvino); the
+    two compiled files give the same logits."""
+    params = ModelConfigView.for_variant(repository, ONNX_MODEL, "int8").parameters
+    run = runtimes.load(runtimes.RuntimeSpec.from_parameters(params, repository.onnx_path.parent))
+    if runtimes.usable_cores() == 1:  # one core: nothing to choose between, one compiled file
+        assert not isinstance(run, runtimes.BatchedThreads)
+        return
+    assert (run.threads, run.batched_threads) == (runtimes.usable_cores(), 1)
+    assert [runner.compiled.get_property("INFERENCE_NUM_THREADS") for runner in (run.lone, run.batched)] == \
+        [runtimes.usable_cores(), 1]
+    batch = r18.parity_batch(3)
+    batched_logits, _ = run(batch)
+    lone_logits = np.concatenate([run(batch[i:i + 1])[0] for i in range(len(batch))])
+    np.testing.assert_allclose(batched_logits, lone_logits, atol=1e-3)
 
 
 def test_export_refuses_a_missing_or_empty_calibration_folder_in_one_line(tmp_path, capsys, export_main):

@@ -14,9 +14,10 @@ the in-process figures are the served code's.
                device: `instance_device`; batches are copied to it and the outputs back).
 
 Config parameters (all string values): model_filename; runtime (default: onnxruntime for .onnx,
-torchscript for .pt); intra_op_threads (0 = one thread per usable core); allow_spinning ("1"/"0", ONNX
-Runtime: idle intra-op threads spin-wait for work, which takes cores from other processes); precision
-(openvino: "f32" or "bf16").
+torchscript for .pt); intra_op_threads (0 = one thread per usable core); intra_op_threads_batched
+(openvino only: the threads of an execution of more than one image; unset = intra_op_threads; see
+`_openvino`); allow_spinning ("1"/"0", ONNX Runtime: idle intra-op threads spin-wait for work, which takes
+cores from other processes); precision (openvino: "f32" or "bf16").
 
 Placement: no thread is pinned to a core. A served model runs as several stub processes (instances,
 preprocess stubs) that know nothing of each other, and a runtime pinning its threads picks the same cores
@@ -50,7 +51,8 @@ _DEFAULT_RUNTIME = {".onnx": "onnxruntime", ".pt": "torchscript"}
 @dataclass(frozen=True)
 class RuntimeSpec:
     """How to run one exported file. threads: intra-op threads, 0 = one per core. device: "cpu", or
-    "cuda:<index>" (torchscript only)."""
+    "cuda:<index>" (torchscript only). batched_threads: openvino only, the intra-op threads of an execution
+    of more than one image (None = threads)."""
 
     path: Path
     runtime: str = "onnxruntime"
@@ -58,23 +60,29 @@ class RuntimeSpec:
     allow_spinning: bool = True
     precision: str = "f32"
     device: str = "cpu"
+    batched_threads: int | None = None
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], version_dir: Path, device: str = "cpu") -> "RuntimeSpec":
         """The spec a model config's `parameters` (key -> string value) describe, for the file in
         `version_dir`, run on `device` (`instance_device`). Raises ValueError naming an unknown runtime or
-        precision, or a runtime that runs on the CPU only given a GPU."""
+        precision, a runtime that runs on the CPU only given a GPU, or intra_op_threads_batched for a
+        runtime other than openvino."""
         path = Path(version_dir) / params["model_filename"]
+        batched = params.get("intra_op_threads_batched")
         spec = cls(path=path, runtime=params.get("runtime", _DEFAULT_RUNTIME.get(path.suffix, "")),
                    threads=int(params.get("intra_op_threads", "0")),
                    allow_spinning=params.get("allow_spinning", "1") != "0",
-                   precision=params.get("precision", "f32"), device=device)
+                   precision=params.get("precision", "f32"), device=device,
+                   batched_threads=None if batched is None else int(batched))
         if spec.runtime not in RUNTIMES:
             raise ValueError(f"unknown runtime {spec.runtime!r} for {path.name} (one of {', '.join(RUNTIMES)})")
         if spec.precision not in ("f32", "bf16"):
             raise ValueError(f"unknown precision {spec.precision!r} (f32 or bf16)")
         if spec.device != "cpu" and spec.runtime != "torchscript":
             raise ValueError(f"runtime {spec.runtime} runs on the CPU only; a KIND_GPU instance needs torchscript")
+        if spec.batched_threads is not None and spec.runtime != "openvino":
+            raise ValueError(f"intra_op_threads_batched is read by the openvino runtime only, not {spec.runtime}")
         return spec
 
 
@@ -105,11 +113,33 @@ def _onnxruntime(spec: RuntimeSpec) -> Runner:
 
 
 def _openvino(spec: RuntimeSpec) -> Runner:
+    """With spec.batched_threads set (and different from the threads), the file is compiled twice, and a
+    batch of one image runs on `threads`, a larger batch on `batched_threads` (BatchedThreads). A batch of
+    several images means that requests queued while this instance was busy: the server is loaded, and the
+    cores are wanted by the other instances and steps, where a second intra-op thread waits at each
+    layer's barrier for a thread that may be off its core. A lone request keeps every core."""
     config = {"INFERENCE_PRECISION_HINT": spec.precision, "PERFORMANCE_HINT": "LATENCY",
               "ENABLE_CPU_PINNING": False}  # module docstring, "Placement"
-    config["INFERENCE_NUM_THREADS"] = spec.threads or usable_cores()
+    config["INFERENCE_NUM_THREADS"] = threads = spec.threads or usable_cores()
     compiled = _compile_openvino(spec.path, config)
-    return _openvino_runner(compiled, compiled.create_infer_request())
+    lone = _openvino_runner(compiled, compiled.create_infer_request())
+    if not spec.batched_threads or spec.batched_threads == threads:
+        return lone
+    compiled = _compile_openvino(spec.path, {**config, "INFERENCE_NUM_THREADS": spec.batched_threads})
+    return BatchedThreads(lone, _openvino_runner(compiled, compiled.create_infer_request()),
+                          threads, spec.batched_threads)
+
+
+class BatchedThreads:
+    """A Runner that runs a batch of one image on `lone` (compiled with `threads` intra-op threads) and a
+    larger batch on `batched` (`batched_threads`); see `_openvino`."""
+
+    def __init__(self, lone: Runner, batched: Runner, threads: int, batched_threads: int):
+        self.lone, self.batched = lone, batched
+        self.threads, self.batched_threads = threads, batched_threads
+
+    def __call__(self, batch: np.ndarray) -> list:
+        return (self.lone if len(batch) == 1 else self.batched)(batch)
 
 
 def _compile_openvino(path: Path, config: dict):
@@ -127,11 +157,13 @@ def _compile_openvino(path: Path, config: dict):
 
 
 def _openvino_runner(compiled, request) -> Runner:
+    """A Runner on one infer request of `compiled` (an openvino CompiledModel, also its `compiled` attribute)."""
     outputs = [compiled.output(name) for name in OUTPUT_NAMES]
 
     def run(batch: np.ndarray) -> list:
         request.infer({0: batch})
         return [request.get_tensor(output).data.copy() for output in outputs]  # the request reuses its buffers
+    run.compiled = compiled
     return run
 
 

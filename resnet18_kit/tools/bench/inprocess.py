@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -140,10 +142,11 @@ def arrangement_names(spec) -> tuple[str, ...]:
 
 def load_arrangement(loaders, spec, name: str) -> list:
     """The runners of arrangement `name` for `spec` (loaders: the model repository's runtimes module)."""
+    # Every batch of an arrangement on its own thread count: a config's intra_op_threads_batched left out.
     if name == ALL_CORES:
-        return [loaders.load(replace(spec, threads=0))]
+        return [loaders.load(replace(spec, threads=0, batched_threads=None))]
     if name == THREAD_PER_CORE:
-        return [loaders.load(replace(spec, threads=1)) for _ in range(loaders.usable_cores())]
+        return [loaders.load(replace(spec, threads=1, batched_threads=None)) for _ in range(loaders.usable_cores())]
     if name == STREAMS:
         return loaders.load_streams(spec)
     raise ValueError(f"unknown arrangement {name!r} (one of {ALL_CORES!r}, {THREAD_PER_CORE!r}, {STREAMS!r})")
@@ -193,7 +196,22 @@ def strongest(loaders, spec, batch_sizes: list[int], duration_s: float) -> Tenso
                       "cpu_ms_per_image": best["cpu_ms_per_image"]}, tried)
 
 
-def measure_again(loaders, spec, bar: TensorBar, duration_s: float) -> float:
-    """The bar's best arrangement and batch measured once more: images/s."""
+def again(loaders, spec, bar: TensorBar, duration_s: float) -> Callable[[], InProcessResult]:
+    """A callable that measures the bar's best arrangement and batch once more (measure_workers, duration_s)
+    each time it is called; its runners are loaded once, here."""
     runners = load_arrangement(loaders, spec, bar.best["arrangement"])
-    return measure_workers(runners, bar.best["batch_size"], duration_s, bar.best["arrangement"]).throughput
+    return partial(measure_workers, runners, bar.best["batch_size"], duration_s, bar.best["arrangement"])
+
+
+def paired(remeasure: Callable[[], InProcessResult], measure: Callable[[], dict]) -> dict:
+    """One served level measured between two in-process measurements (`again`): `measure()`'s row with
+    "inprocess_paired": {"img_per_s", "cpu_ms_per_image" (the means of before and after), "before_after"
+    (img/s)}. The machine's speed drifts by up to 15 % within a minute (shared cores), so a served level
+    is compared with the bar measured right around it, not minutes away."""
+    before = remeasure()
+    row = measure()
+    after = remeasure()
+    row["inprocess_paired"] = {"img_per_s": (before.throughput + after.throughput) / 2,
+                               "cpu_ms_per_image": (before.cpu_ms_per_image + after.cpu_ms_per_image) / 2,
+                               "before_after": [before.throughput, after.throughput]}
+    return row

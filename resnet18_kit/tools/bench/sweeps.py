@@ -9,6 +9,7 @@ configs; the config the server really loaded is read back and recorded. Per conf
   * the in-process bar (no server): the config's own network file and runtime in its strongest
     arrangement (OpenVINO streams, one single-threaded runner per core, or one runner on every core;
     bench/inprocess.py) at the batch that measures fastest up to max_batch_size, and at batch 1 as served;
+    measured again right before and after each saturating level, whose ratios it divides (inprocess.paired);
   * a perf_analyzer concurrency sweep and a Poisson request-rate sweep, one perf_analyzer run per level,
     with the statistics extension read before and after each (stage times, batch sizes formed), the
     server's CPU utilization sampled from the metrics endpoint, and the stubs' thread placement (the
@@ -43,6 +44,7 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -175,6 +177,7 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
                         output_shm_bytes=RESNET18_LOGITS_BYTES,
                         measurement_ms=args.measurement_ms, fallback_request_count=fallback)
         record["concurrency"] = []
+        remeasure = inprocess.again(loaders, spec, bar, args.inprocess_s)
         stubs = {n: pid for n, pid in server.stub_processes().items() if n.startswith(model + "_")}
         with PlacementSampler(stubs, os.sched_getaffinity(server.process.pid), interval_s=0.5) as placement:
             for level in load.levels:
@@ -182,8 +185,10 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
                 count_at_1 = fixed_request_count(capacity, 2.5, 1) if args.quick else 0
                 load = replace(load, **level_counts(level, count_at_1, fallback))
                 progress.set_description(f"{name}: concurrency {level:g}")
-                record["concurrency"].append(measure_level(server, model, load, level,
-                                                           out / f"concurrency-{level:g}", args.sweep_protocol))
+                measure = partial(measure_level, server, model, load, level, out / f"concurrency-{level:g}",
+                                  args.sweep_protocol)
+                # Above concurrency 1, between two in-process measurements (inprocess.paired).
+                record["concurrency"].append(inprocess.paired(remeasure, measure) if level > 1 else measure())
                 progress.update()
         served_view = (local_batching(ModelRepository(args.served_repository), model, name)
                        if args.served_repository else view)
@@ -191,12 +196,12 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
         record["placement"] = placement_phrase(served_view, served_spec, placement.pinned, loaders.usable_cores())
         record["shared_pinned_cores"] = {str(core): names for core, names in
                                          shared_pinned_cores(placement.pinned).items()}
-        # The bar measured again right after the sweep: the efficiency divides by the mean of the two, so
-        # a drift of the shared machine's speed during the sweep does not land on one side only.
-        progress.set_description(f"{name}: in-process bar again")
-        after = inprocess.measure_again(loaders, spec, bar, args.inprocess_s)
-        record["inprocess_bar"] = {**bar.best, "label": bar.label(), "before_after": [capacity, after]}
-        record["inprocess_bar_img_per_s"] = capacity = (capacity + after) / 2
+        # The efficiency and the CPU ratio divide by the bar measured right around the saturating level.
+        around = saturation_row(record).get("inprocess_paired") or {
+            "before_after": [capacity, remeasure().throughput], "cpu_ms_per_image": bar.best["cpu_ms_per_image"]}
+        record["inprocess_bar"] = {**bar.best, "label": bar.label(), "before_after": around["before_after"],
+                                   "cpu_ms_per_image": around["cpu_ms_per_image"]}
+        record["inprocess_bar_img_per_s"] = capacity = sum(around["before_after"]) / 2
         rates = tuple(round(f * capacity, 1) for f in args.rate_fractions) if name in args.rate_configs else ()
         # --async: with blocking calls perf_analyzer's rate mode can keep only as many requests in flight as
         # it has threads, and then sends below the asked rate once latency grows.
