@@ -202,7 +202,7 @@ def test_each_saturating_level_is_compared_with_the_in_process_bar_measured_righ
 
 def test_a_tensor_level_is_measured_between_two_in_process_measurements_of_the_bar():
     """inprocess.paired: bar, served level, bar, in that order; the level's row carries their means."""
-    from resnet18_kit.tools.bench.inprocess import InProcessResult, paired
+    from resnet18_kit.tools.bench.inprocess import InProcessResult, paired, tensor_figures
 
     calls = []
     results = iter([InProcessResult("bar", 16, 200.0, 70.0, 70.0, 9, 80.0, 9.0),
@@ -216,6 +216,8 @@ def test_a_tensor_level_is_measured_between_two_in_process_measurements_of_the_b
         calls.append("level")
         return {"level": 64, "throughput": 160.0}
 
-    row = paired(remeasure, measure)
+    row = paired(remeasure, measure, tensor_figures)
     assert calls == ["bar", "level", "bar"]
-    assert row["inprocess_paired"] == {"img_per_s": 175.0, "cpu_ms_per_image": 10.0, "before_after": [200.0, 150.0]}
+    assert row["inprocess_paired"] == {"img_per_s": 175.0, "cpu_ms_per_image": 10.0,
+                                       "before": {"img_per_s": 200.0, "cpu_ms_per_image": 9.0},
+                                       "after": {"img_per_s": 150.0, "cpu_ms_per_image": 11.0}}

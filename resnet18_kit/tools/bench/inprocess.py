@@ -203,15 +203,21 @@ def again(loaders, spec, bar: TensorBar, duration_s: float) -> Callable[[], InPr
     return partial(measure_workers, runners, bar.best["batch_size"], duration_s, bar.best["arrangement"])
 
 
-def paired(remeasure: Callable[[], InProcessResult], measure: Callable[[], dict]) -> dict:
-    """One served level measured between two in-process measurements (`again`): `measure()`'s row with
-    "inprocess_paired": {"img_per_s", "cpu_ms_per_image" (the means of before and after), "before_after"
-    (img/s)}. The machine's speed drifts by up to 15 % within a minute (shared cores), so a served level
-    is compared with the bar measured right around it, not minutes away."""
-    before = remeasure()
+def paired(bar: Callable[[], object], measure: Callable[[], dict], figures: Callable[[object], dict]) -> dict:
+    """One served level measured between two in-process measurements of its bar: bar(), measure(), bar().
+    Returns measure()'s row with "inprocess_paired": the mean of each of `figures(result)` (a dict of
+    numbers) over the two bar results, and "before" / "after" (each one's figures). The machine's speed
+    drifts by up to 15 % within a minute (shared cores), so a served level is compared with the bar
+    measured right around it, not minutes away. Used by the tensor sweeps (bar: `again`) and the main job
+    (bar: PipelineTwin.saturation)."""
+    before = figures(bar())
     row = measure()
-    after = remeasure()
-    row["inprocess_paired"] = {"img_per_s": (before.throughput + after.throughput) / 2,
-                               "cpu_ms_per_image": (before.cpu_ms_per_image + after.cpu_ms_per_image) / 2,
-                               "before_after": [before.throughput, after.throughput]}
+    after = figures(bar())
+    row["inprocess_paired"] = {**{key: (before[key] + after[key]) / 2 for key in before},
+                               "before": before, "after": after}
     return row
+
+
+def tensor_figures(result: InProcessResult) -> dict:
+    """`paired`'s figures of a tensor bar measurement: {"img_per_s", "cpu_ms_per_image"}."""
+    return {"img_per_s": result.throughput, "cpu_ms_per_image": result.cpu_ms_per_image}

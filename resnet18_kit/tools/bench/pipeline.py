@@ -14,7 +14,7 @@ for each photo set (resnet18_kit/tools/load/photos.py: "sample", "12mp"):
      statistics extension read before and after each level for the ensemble and BOTH step models
      (bench.server_stats.statistics_delta: per step queue and compute times per request, average batch);
      Each saturating level (above concurrency 1) is bracketed by the twin's saturation right before and
-     right after it: the bar it is compared with (`paired_bar`). The machine's speed drifts by up to
+     right after it: the bar it is compared with (bench/inprocess.py `paired`). The machine's speed drifts by up to
      15 % within a minute (shared cores: the twin alone measured 15.3-17.7 CPU ms per sample photo over
      six 2 s windows in a row), so a bar measured a sweep away can misjudge the ratio by as much;
   3. the twin is measured again (saturation and batch-1 latency: the photo set's figures).
@@ -34,6 +34,7 @@ from pathlib import Path
 from resnet18_kit.tools.load.perf_analyzer import LoadSpec, run_level
 from resnet18_kit.tools.load.photos import PHOTO_SETS, photo_set, write_input_data
 from resnet18_kit.observe.model_config import served_config
+from resnet18_kit.tools.bench.inprocess import paired
 from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin, mean_of
 from resnet18_kit.observe.process_cpu import ProcessCpu, cpu_phrase, per_inference_ms
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
@@ -177,11 +178,10 @@ def measure_pipeline_level(server: EmbeddedTritonServer, load: LoadSpec, level: 
             "server_cpu_ms_per_inference": per_inference_ms(processes.seconds, steps[ENSEMBLE_MODEL]["inference_count"])}
 
 
-def paired_bar(saturation) -> dict:
-    """The twin's saturation figures around one served level: `saturation()` -> (img/s, batches, CPU ms
-    per image) (PipelineTwin.saturation on the photo set), called once. Returns {"saturation_img_per_s",
-    "saturation_cpu_ms_per_image"}."""
-    img_per_s, _, cpu_ms = saturation()
+def saturation_figures(result: tuple[float, int, float]) -> dict:
+    """`inprocess.paired`'s figures of PipelineTwin.saturation's (img/s, batches, CPU ms per image):
+    {"saturation_img_per_s", "saturation_cpu_ms_per_image"}."""
+    img_per_s, _, cpu_ms = result
     return {"saturation_img_per_s": img_per_s, "saturation_cpu_ms_per_image": cpu_ms}
 
 
@@ -189,9 +189,8 @@ def sweep(server: EmbeddedTritonServer, input_data: Path, protocol: str, inproce
           options: PipelineOptions, progress=None, label: str = "", saturation=None) -> list[dict]:
     """The concurrency sweep of one photo set over one protocol: measure_pipeline_level per level, each
     into out/concurrency-<level>/. inprocess: the twin's figures, which size fixed request counts.
-    saturation: the twin's saturation on the same photos (`paired_bar`); when given, every level above
-    concurrency 1 gets "inprocess_paired": the mean of the bar right before and right after it, and
-    "before" / "after"."""
+    saturation: the twin's saturation on the same photos (PipelineTwin.saturation); when given, every
+    level above concurrency 1 is measured between two of them (bench/inprocess.py `paired`: "inprocess_paired")."""
     load = LoadSpec("concurrency", options.levels, input_data=input_data, profile_export=False,
                     measurement_ms=options.measurement_ms)
     rows = []
@@ -201,11 +200,9 @@ def sweep(server: EmbeddedTritonServer, input_data: Path, protocol: str, inproce
         load = replace(load, **level_counts(level, count_at_1, fallback))
         if progress is not None:
             progress.set_description(f"pipeline {label} {protocol} c={level}")
-        before = paired_bar(saturation) if saturation is not None and level > 1 else None
-        rows.append(measure_pipeline_level(server, load, level, out / f"concurrency-{level}", protocol))
-        if before is not None:
-            after = paired_bar(saturation)
-            rows[-1]["inprocess_paired"] = {**mean_of(before, after), "before": before, "after": after}
+        measure = partial(measure_pipeline_level, server, load, level, out / f"concurrency-{level}", protocol)
+        rows.append(paired(saturation, measure, saturation_figures)
+                    if saturation is not None and level > 1 else measure())
         if progress is not None:
             progress.update()
     return rows

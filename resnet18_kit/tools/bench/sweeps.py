@@ -188,7 +188,8 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
                 measure = partial(measure_level, server, model, load, level, out / f"concurrency-{level:g}",
                                   args.sweep_protocol)
                 # Above concurrency 1, between two in-process measurements (inprocess.paired).
-                record["concurrency"].append(inprocess.paired(remeasure, measure) if level > 1 else measure())
+                record["concurrency"].append(inprocess.paired(remeasure, measure, inprocess.tensor_figures)
+                                             if level > 1 else measure())
                 progress.update()
         served_view = (local_batching(ModelRepository(args.served_repository), model, name)
                        if args.served_repository else view)
@@ -198,10 +199,12 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
                                          shared_pinned_cores(placement.pinned).items()}
         # The efficiency and the CPU ratio divide by the bar measured right around the saturating level.
         around = saturation_row(record).get("inprocess_paired") or {
-            "before_after": [capacity, remeasure().throughput], "cpu_ms_per_image": bar.best["cpu_ms_per_image"]}
-        record["inprocess_bar"] = {**bar.best, "label": bar.label(), "before_after": around["before_after"],
+            "before": bar.best, "after": inprocess.tensor_figures(remeasure()),
+            "cpu_ms_per_image": bar.best["cpu_ms_per_image"]}
+        before_after = [around["before"]["img_per_s"], around["after"]["img_per_s"]]
+        record["inprocess_bar"] = {**bar.best, "label": bar.label(), "before_after": before_after,
                                    "cpu_ms_per_image": around["cpu_ms_per_image"]}
-        record["inprocess_bar_img_per_s"] = capacity = sum(around["before_after"]) / 2
+        record["inprocess_bar_img_per_s"] = capacity = sum(before_after) / 2
         rates = tuple(round(f * capacity, 1) for f in args.rate_fractions) if name in args.rate_configs else ()
         # --async: with blocking calls perf_analyzer's rate mode can keep only as many requests in flight as
         # it has threads, and then sends below the asked rate once latency grows.
