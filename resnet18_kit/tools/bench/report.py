@@ -251,7 +251,7 @@ def placement_phrase(view, spec, pinned: dict, cores: int) -> str:
     threads = spec.threads or cores
     together = "" if at_once >= instances else f", {at_once} at a time (rate limiter)"
     spinning = ", spinning" if spec.runtime == "onnxruntime" and spec.allow_spinning and threads > 1 else ""
-    batched = getattr(spec, "batched_threads", None)  # a repository's runtimes.py older than the field
+    batched = spec.batched_threads
     per_batch = f", {batched} for a batch of several" if batched and batched != threads else ""
     return (f"{instances} x {threads} thread{'s' if threads > 1 else ''} ({spec.runtime}{per_batch}){together}"
             f"{spinning}, {describe(pinned)}")
