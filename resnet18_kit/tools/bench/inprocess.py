@@ -213,9 +213,14 @@ def paired(bar: Callable[[], object], measure: Callable[[], dict], figures: Call
     before = figures(bar())
     row = measure()
     after = figures(bar())
-    row["inprocess_paired"] = {**{key: (before[key] + after[key]) / 2 for key in before},
-                               "before": before, "after": after}
+    row["inprocess_paired"] = {**mean_of(before, after), "before": before, "after": after}
     return row
+
+
+def mean_of(before: dict, after: dict) -> dict:
+    """Field-wise mean of two dicts of numbers with the same keys (one measurement before and one after
+    something served), so a drift of a shared machine's speed does not land on one side only."""
+    return {key: (before[key] + after[key]) / 2 for key in before}
 
 
 def tensor_figures(result: InProcessResult) -> dict:

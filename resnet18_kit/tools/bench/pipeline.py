@@ -34,8 +34,8 @@ from pathlib import Path
 from resnet18_kit.tools.load.perf_analyzer import LoadSpec, run_level
 from resnet18_kit.tools.load.photos import PHOTO_SETS, photo_set, write_input_data
 from resnet18_kit.observe.model_config import served_config
-from resnet18_kit.tools.bench.inprocess import paired
-from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin, mean_of
+from resnet18_kit.tools.bench.inprocess import mean_of, paired
+from resnet18_kit.tools.bench.pipeline_inprocess import PipelineTwin
 from resnet18_kit.observe.process_cpu import ProcessCpu, cpu_phrase, per_inference_ms
 from resnet18_kit.observe.statistics import CpuSampler, model_statistics, statistics_delta
 from resnet18_kit.client.sync_client import TritonClassifierClient

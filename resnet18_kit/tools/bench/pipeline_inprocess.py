@@ -231,9 +231,3 @@ class PipelineTwin:
         throughput, batches_timed, cpu_ms = self.saturation(photos, saturation_s)
         p50_ms, p99_ms, images = self.batch1_latency(photos, batch1_s)
         return asdict(InProcessPipelineResult(throughput, batches_timed, p50_ms, p99_ms, images, cpu_ms))
-
-
-def mean_of(before: dict, after: dict) -> dict:
-    """Field-wise mean of two InProcessPipelineResult dicts (before and after a served sweep), so a
-    drift of a shared machine's speed during the sweep does not land on one side only."""
-    return {key: (before[key] + after[key]) / 2 for key in before}
