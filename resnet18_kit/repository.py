@@ -30,6 +30,7 @@ SERVED_MODULES = {
     "image_transform": (Path(PREPROCESS_MODEL) / "1" / "image_transform.py",),
     "runtimes": (Path(ONNX_MODEL) / "1" / "runtimes.py", Path(TORCHSCRIPT_MODEL) / "1" / "runtimes.py"),
     "cancellation": (Path(PREPROCESS_MODEL) / "1" / "cancellation.py",),
+    "allocator": (Path(PREPROCESS_MODEL) / "1" / "allocator.py",),
 }
 #: Package under which served modules are registered in sys.modules (never imported by name).
 SERVED_PACKAGE = "resnet18_kit.served"

@@ -3,6 +3,8 @@ for every image mode: full decode (fused resize+crop: float rounding of the crop
 at a few pixels) and scaled decode of large JPEGs (libjpeg's DCT scaling)."""
 import io
 import struct
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from PIL import Image
 
 from resnet18_kit.client.samples import sample_photos
-from resnet18_kit.contract import PREPROCESS_MODEL
+from resnet18_kit.contract import ONNX_MODEL, PREPROCESS_MODEL
 from resnet18_kit.export.resnet18 import normalize, torchvision_eval_transform
 
 
@@ -183,3 +185,42 @@ def test_preprocess_model_on_the_server_matches_torchvision(client):
     pixels = result.as_numpy("pixels")
     assert pixels.shape == (1, 3, 224, 224)
     assert_matches_torchvision(pixels[0], reference(Image.open(path)))
+
+
+#: Run in a fresh process (the setting stays for the process's life): page faults per round of four 1 MiB
+#: buffers alive together and freed, as a batch of photos' copies in a stub, before and after the served
+#: models' allocator setting (preprocess/1/allocator.py).
+FAULTS_SCRIPT = """
+import resource, sys
+import numpy as np
+from pathlib import Path
+from resnet18_kit.repository import ModelRepository
+
+payload = np.frombuffer(bytes(1 << 20), np.uint8)
+def faults_per_round(rounds=50):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(rounds):
+        copies = [np.array(payload) for _ in range(4)]
+        del copies
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / rounds
+default = faults_per_round()
+kept = ModelRepository(Path(sys.argv[1])).served_module("allocator").keep_large_blocks()
+print(default, kept, faults_per_round())
+"""
+
+
+def test_the_served_allocator_setting_spares_a_page_fault_per_page_of_each_request_buffer(repository):
+    done = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT, str(repository.root)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    default, kept, after = done.stdout.split()
+    assert kept == "True"
+    # 4 MiB in 4 KiB pages: glibc's defaults fault most pages in again each round; with blocks kept, almost none.
+    assert float(default) > 500 and float(after) < 50, done.stdout
+
+
+def test_both_served_models_set_the_allocator_in_initialize(repository):
+    for model in (PREPROCESS_MODEL, ONNX_MODEL):  # resnet18_torchscript/1/model.py links to the second
+        source = (repository.root / model / "1" / "model.py").read_text()
+        initialize = source[source.index("def initialize"):source.index("def execute")]
+        assert "keep_large_blocks()" in initialize, model

@@ -18,12 +18,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from allocator import keep_large_blocks  # noqa: E402
 from cancellation import Cancellation  # noqa: E402
 from image_transform import ImageDecodeError, ImageLimits, preprocess  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        keep_large_blocks()  # a request's input copies and decoded image reuse freed memory (allocator.py)
         config = json.loads(args["model_config"])
         self.input_name = config["input"][0]["name"]
         output = config["output"][0]

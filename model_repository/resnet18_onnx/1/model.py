@@ -24,6 +24,7 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runtimes  # noqa: E402  (beside this file: how each runtime is loaded and configured)
+from allocator import keep_large_blocks  # noqa: E402
 from cancellation import Cancellation  # noqa: E402
 
 
@@ -34,6 +35,7 @@ def cancelled():
 
 class TritonPythonModel:
     def initialize(self, args):
+        keep_large_blocks()  # the batch's input copies and outputs reuse freed memory (allocator.py)
         config = json.loads(args["model_config"])
         self.input_name = config["input"][0]["name"]
         #: (name, position in the runtime's outputs, numpy dtype) of each output the config lists.

@@ -140,6 +140,13 @@ def arrangement_names(spec) -> tuple[str, ...]:
     return (ALL_CORES, THREAD_PER_CORE) + ((STREAMS,) if spec.runtime == "openvino" else ())
 
 
+def allocate_as_served(repository: ModelRepository) -> bool:
+    """Give this process the malloc settings every served model sets in its initialize()
+    (preprocess/1/allocator.py of `repository`: freed large blocks kept), so the bar spends no page faults the
+    server does not. True when set (False where the C library is not glibc)."""
+    return repository.served_module("allocator").keep_large_blocks()
+
+
 def load_arrangement(loaders, spec, name: str) -> list:
     """The runners of arrangement `name` for `spec` (loaders: the model repository's runtimes module)."""
     # Every batch of an arrangement on its own thread count: a config's intra_op_threads_batched left out.

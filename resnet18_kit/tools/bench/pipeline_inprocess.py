@@ -99,6 +99,7 @@ class PipelineTwin:
         network = ModelConfigView.for_variant(repository, ONNX_MODEL, variant)
         preprocess = ModelConfigView.for_variant(repository, PREPROCESS_MODEL, variant)
         loaders, transform = repository.runtimes(), repository.image_transform()
+        self.allocator_as_served = inprocess.allocate_as_served(repository)
         self.variant = variant
         self.spec = loaders.RuntimeSpec.from_parameters(network.parameters, repository.onnx_path.parent)
         sizes = inprocess.bar_batch_sizes(network.max_batch_size, network.dynamic_batching, quick=True)
@@ -119,7 +120,7 @@ class PipelineTwin:
         return {"variant": self.variant, "model_file": self.spec.path.name, "runtime": self.spec.runtime,
                 "intra_op_threads": self.spec.threads, "allow_spinning": self.spec.allow_spinning,
                 "precision": self.spec.precision, "batch_size": self.batch_size,
-                "decode_threads": self.decode_threads, "network_workers": self.network_workers,
+                "decode_threads": self.decode_threads, "allocator_as_served": self.allocator_as_served, "network_workers": self.network_workers,
                 "network_arrangement": self.network_bar.best["arrangement"], "network_label": self.label(),
                 "network_tried": self.network_bar.tried}
 

@@ -8,7 +8,8 @@ configs; the config the server really loaded is read back and recorded. Per conf
   * cold start: process start to every model ready (s), then the first inference's latency (ms);
   * the in-process bar (no server): the config's own network file and runtime in its strongest
     arrangement (OpenVINO streams, one single-threaded runner per core, or one runner on every core;
-    bench/inprocess.py) at the batch that measures fastest up to max_batch_size, and at batch 1 as served;
+    bench/inprocess.py; malloc set as the served models set it) at the fastest batch up to max_batch_size,
+    and at batch 1 as served;
     measured again right before and after each saturating level, whose ratios it divides (inprocess.paired);
   * a perf_analyzer concurrency sweep and a Poisson request-rate sweep, one perf_analyzer run per level,
     with the statistics extension read before and after each (stage times, batch sizes formed), the
@@ -160,6 +161,7 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
         progress.set_description(f"{name}: in-process bar")
         view = local_batching(repository, model, name)
         loaders = repository.runtimes()
+        record["allocator_as_served"] = inprocess.allocate_as_served(repository)
         spec = loaders.RuntimeSpec.from_parameters(view.parameters, repository.root / model / "1")
         bar = inprocess.strongest(loaders, spec, inprocess.bar_batch_sizes(view.max_batch_size, view.dynamic_batching,
                                                                            args.quick), args.inprocess_s)

@@ -1,0 +1,1 @@
+../../preprocess/1/allocator.py
