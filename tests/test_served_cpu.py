@@ -32,6 +32,7 @@ CONCURRENCY = 32
 def test_int8_tensors_cost_the_server_little_more_cpu_than_in_process(repository, tmp_path):
     view = ModelConfigView.for_variant(repository, ONNX_MODEL, VARIANT)
     loaders = repository.runtimes()
+    assert inprocess.allocate_as_served(repository)  # malloc as the served stubs set it (allocator.py)
     spec = loaders.RuntimeSpec.from_parameters(view.parameters, repository.root / ONNX_MODEL / "1")
     bar = inprocess.strongest(loaders, spec, [view.max_batch_size], duration_s=3.0)
     inprocess_ms = bar.best["cpu_ms_per_image"]

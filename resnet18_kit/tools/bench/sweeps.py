@@ -7,9 +7,8 @@ because a restart with `--model-config-name` is exactly how docker compose and K
 configs; the config the server really loaded is read back and recorded. Per config:
   * cold start: process start to every model ready (s), then the first inference's latency (ms);
   * the in-process bar (no server): the config's own network file and runtime in its strongest
-    arrangement (OpenVINO streams, one single-threaded runner per core, or one runner on every core;
-    bench/inprocess.py; malloc set as the served models set it) at the fastest batch up to max_batch_size,
-    and at batch 1 as served;
+    arrangement (OpenVINO streams, one single-threaded runner per core, or one runner on every core; malloc
+    as served: bench/inprocess.py) at the fastest batch up to max_batch_size, and at batch 1 as served;
     measured again right before and after each saturating level, whose ratios it divides (inprocess.paired);
   * a perf_analyzer concurrency sweep and a Poisson request-rate sweep, one perf_analyzer run per level,
     with the statistics extension read before and after each (stage times, batch sizes formed), the
@@ -197,8 +196,7 @@ def run_config(repository: ModelRepository, name: str, model: str, run_dir: Path
                        if args.served_repository else view)
         served_spec = loaders.RuntimeSpec.from_parameters(served_view.parameters, spec.path.parent)
         record["placement"] = placement_phrase(served_view, served_spec, placement.pinned, loaders.usable_cores())
-        record["shared_pinned_cores"] = {str(core): names for core, names in
-                                         shared_pinned_cores(placement.pinned).items()}
+        record["shared_pinned_cores"] = {str(c): names for c, names in shared_pinned_cores(placement.pinned).items()}
         # The efficiency and the CPU ratio divide by the bar measured right around the saturating level.
         around = saturation_row(record).get("inprocess_paired") or {
             "before": bar.best, "after": inprocess.tensor_figures(remeasure()),
