@@ -120,7 +120,8 @@ class PipelineTwin:
         return {"variant": self.variant, "model_file": self.spec.path.name, "runtime": self.spec.runtime,
                 "intra_op_threads": self.spec.threads, "allow_spinning": self.spec.allow_spinning,
                 "precision": self.spec.precision, "batch_size": self.batch_size,
-                "decode_threads": self.decode_threads, "allocator_as_served": self.allocator_as_served, "network_workers": self.network_workers,
+                "decode_threads": self.decode_threads, "network_workers": self.network_workers,
+                "allocator_as_served": self.allocator_as_served,
                 "network_arrangement": self.network_bar.best["arrangement"], "network_label": self.label(),
                 "network_tried": self.network_bar.tried}
 
