@@ -14,9 +14,10 @@ for each photo set (resnet18_kit/tools/load/photos.py: "sample", "12mp"):
      statistics extension read before and after each level for the ensemble and BOTH step models
      (bench.server_stats.statistics_delta: per step queue and compute times per request, average batch);
      Each saturating level (above concurrency 1) is bracketed by the twin's saturation right before and
-     right after it: the bar it is compared with (bench/inprocess.py `paired`). The machine's speed drifts by up to
-     15 % within a minute (shared cores: the twin alone measured 15.3-17.7 CPU ms per sample photo over
-     six 2 s windows in a row), so a bar measured a sweep away can misjudge the ratio by as much;
+     right after it: the bar it is compared with (bench/inprocess.py `paired`). The machine's speed
+     drifts by up to 15 % within a minute (shared cores: the twin alone measured 15.3-17.7 CPU ms per
+     sample photo over six 2 s windows in a row), so a bar measured a sweep away can misjudge the ratio
+     by as much;
   3. the twin is measured again (saturation and batch-1 latency: the photo set's figures).
 
 Per (variant, photo set, protocol): efficiency = best served img/s over the levels / the in-process
@@ -190,7 +191,8 @@ def sweep(server: EmbeddedTritonServer, input_data: Path, protocol: str, inproce
     """The concurrency sweep of one photo set over one protocol: measure_pipeline_level per level, each
     into out/concurrency-<level>/. inprocess: the twin's figures, which size fixed request counts.
     saturation: the twin's saturation on the same photos (PipelineTwin.saturation); when given, every
-    level above concurrency 1 is measured between two of them (bench/inprocess.py `paired`: "inprocess_paired")."""
+    level above concurrency 1 is measured between two of them (bench/inprocess.py `paired`:
+    "inprocess_paired")."""
     load = LoadSpec("concurrency", options.levels, input_data=input_data, profile_export=False,
                     measurement_ms=options.measurement_ms)
     rows = []
