@@ -9,7 +9,7 @@ from PIL import Image
 
 from resnet18_kit.client import TritonClassifierClient
 from resnet18_kit.client.core import protocol_module
-from resnet18_kit.observe.metrics import model_counters
+from resnet18_kit.observe.metrics import counters_by_model, model_counters
 from resnet18_kit.client.samples import sample_photos
 from resnet18_kit.contract import ENSEMBLE_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL
 from resnet18_kit.export.resnet18 import PARITY_ATOL, PARITY_RTOL, eager_logits, parity_batch, torchvision_eval_transform
@@ -59,6 +59,16 @@ def test_concurrent_single_image_requests_are_batched(triton_server, eager_model
     assert inferences == 32
     assert executions < inferences, f"{executions} executions for {inferences} inferences: no batching"
     np.testing.assert_allclose(served, eager_logits(eager_model, images), rtol=PARITY_RTOL, atol=PARITY_ATOL)
+
+
+def test_a_read_of_named_metrics_gives_what_the_whole_read_gives_for_them(triton_server):
+    """counters_by_model(names=...) hands only those families to the parser: a gauge and a counter read so
+    equal the same metrics of a whole read (the server idle between the two reads), and nothing else comes."""
+    url, names = triton_server.config.metrics_url, ("nv_inference_pending_request_count", "nv_inference_count")
+    whole = counters_by_model(url)
+    named = counters_by_model(url, names=names)
+    assert ONNX_MODEL in named and all(set(counters) == set(names) for counters in named.values())
+    assert named == {model: {name: counters[name] for name in names} for model, counters in whole.items()}
 
 
 @pytest.mark.parametrize("model", [ENSEMBLE_MODEL, ONNX_MODEL, TORCHSCRIPT_MODEL])

@@ -2,6 +2,7 @@
 and its division by the inferences served, which `bench run` prints beside the in-process bar's."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from resnet18_kit.observe.process_cpu import ProcessCpu, cpu_phrase, per_inference_ms, process_cpu_s, role
+from resnet18_kit.observe.processes import child_processes, process_alive
 from resnet18_kit.tools.bench.inprocess import measure_workers
 
 #: A child that burns CPU_S of CPU time, says so in a file, then sleeps until killed.
@@ -59,3 +61,22 @@ def test_the_in_process_bar_counts_every_threads_cpu_per_image():
             pass
     result = measure_workers([burn, burn], batch_size=2, duration_s=0.5, label="burn x2")
     assert result.cpu_ms_per_image == pytest.approx(2.0, rel=0.35), result
+
+
+def test_child_processes_lists_live_children_with_their_argv_and_leaves_out_zombies():
+    """observe.processes.child_processes: a sleeping child with its argv; an exited child not yet reaped
+    (a zombie) is not listed; a process with no children gives []."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "marker-arg"])
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while process_alive(exited.pid) and time.monotonic() < deadline:  # exited, left a zombie (not waited)
+            time.sleep(0.05)
+        children = dict(child_processes(os.getpid()))
+        assert children.get(sleeper.pid) == [sys.executable, "-c", "import time; time.sleep(60)", "marker-arg"]
+        assert exited.pid not in children
+        assert child_processes(sleeper.pid) == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        exited.wait()

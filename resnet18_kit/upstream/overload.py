@@ -45,7 +45,7 @@ def queue_limits(repositories: tuple[Path, ...], config_name: str | None = None)
 def queue_fill(metrics_url: str, sizes: dict[str, int], timeout_s: float = 2.0) -> dict[str, float]:
     """{model: pending requests / max_queue_size} now (0.0 .. 1.0). Raises OSError when the metrics
     endpoint cannot be reached."""
-    counters = counters_by_model(metrics_url, timeout_s)  # one read for every model
+    counters = counters_by_model(metrics_url, timeout_s, names=(PENDING_GAUGE,))  # one read for every model
     return {model: counters.get(model, {}).get(PENDING_GAUGE, 0.0) / size for model, size in sizes.items()}
 
 
